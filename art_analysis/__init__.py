@@ -1,0 +1,1 @@
+"""art-analysis: Attention Run-time Termination toolkit."""

@@ -1,0 +1,1 @@
+"""Figures: one module per figure family, each function draws one figure (matplotlib/seaborn only here)."""

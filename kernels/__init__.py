@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers (imports nothing from art_analysis)."""

@@ -1,0 +1,58 @@
+"""Runtime parameters of the ART monitor inside the decode kernel.
+
+`ARTParams` mirrors `art_analysis.termination.ARTConfig` restricted to what a kernel
+program can evaluate (`ARTConfig.kernel_params()` converts).  Every threshold is passed
+to the kernel as a runtime scalar, never as a `tl.constexpr`, so sweeping thresholds
+never recompiles.  The monitor semantics (identical to the simulator's
+`mode="kernel"` replay evaluated by `art_analysis.termination.stop`) are:
+
+* after step `t` the probe `x^(t)` is the running output `acc / l` (`probe_source="output"`)
+  or the un-normalised accumulator `acc` (`"accumulator"`), restricted to the probe dims
+  (`"full"`: all `D`; `"mma"`: dims with `d % 8 in {0, 1}`);
+* `d_scale = | ||x^(t)|| - ||x^(t-1)|| |`, divided by `max(||x^(t-1)||, 1e-30)` when
+  `scale="relative"`; `d_dir = 1 - <x^(t), x^(t-1)> / max(||x^(t)|| ||x^(t-1)||, 1e-30)`;
+* step `t >= max(1, min_steps)` is stable when `(not use_scale or d_scale < tau)` and
+  `(not use_direction or d_dir < phi)`; a per-head counter rises on a stable step and
+  resets to 0 on an unstable one; a head is *done* (latched) once its counter reaches
+  `patience`;
+* a program (one `(b, kv_head)`, all query heads of the group) stops after the first step
+  at which every head of the group is done (`group="all"`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROBE_SOURCES = ("output", "accumulator")
+PROBE_DIMS = ("full", "mma")
+SCALES = ("relative", "absolute")
+
+
+@dataclass(frozen=True)
+class ARTParams:
+    """Monitor settings for `art_decode` (see the module docstring for the exact rule)."""
+
+    tau: float = 1e-3
+    phi: float = 1e-4
+    patience: int = 4
+    min_steps: int = 1
+    probe_source: str = "output"
+    probe_dims: str = "full"
+    scale: str = "relative"
+    use_scale: bool = True
+    use_direction: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.tau >= 0.0 and self.phi >= 0.0):
+            raise ValueError(f"tau and phi must be >= 0, got tau={self.tau}, phi={self.phi}")
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1, got {self.patience}")
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be >= 0, got {self.min_steps}")
+        if self.probe_source not in PROBE_SOURCES:
+            raise ValueError(f"probe_source must be one of {PROBE_SOURCES}, got {self.probe_source!r}")
+        if self.probe_dims not in PROBE_DIMS:
+            raise ValueError(f"probe_dims must be one of {PROBE_DIMS} in the kernel, got {self.probe_dims!r}")
+        if self.scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
+        if not (self.use_scale or self.use_direction):
+            raise ValueError("at least one of use_scale / use_direction must be enabled")

@@ -1,0 +1,22 @@
+"""Test configuration.
+
+Without CUDA, Triton kernels run in the CPU interpreter: TRITON_INTERPRET must be set
+before triton is first imported, so it is set here, at collection time.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
