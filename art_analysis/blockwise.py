@@ -225,7 +225,8 @@ def _exact(q, k, v, block_ids, seqlens, block_size, sm_scale):
         scores = torch.einsum("bhgd,bhld->bhgl", qg, k[:, :, start:stop].to(torch.float64))
         valid = positions[start:stop][None, :] < seqlens[:, None]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        values = v[:, :, start:stop].to(torch.float64)
+        # Tokens past cache_seqlens are never read: zero them so garbage there cannot leak in.
+        values = v[:, :, start:stop].to(torch.float64).masked_fill(~valid[:, None, :, None], 0.0)
         pad = (last - first) * block_size - (stop - start)
         if pad:
             scores = nn.functional.pad(scores, (0, pad), value=float("-inf"))
@@ -289,6 +290,7 @@ def _kernel(q, k, v, block_ids, seqlens, block_size, sm_scale):
         scores = torch.einsum("bhgd,bhld->bhgl", qg, kb) * sm_scale
         valid = (ids.clamp(min=0)[..., None] * block_size + offsets) < seqlens[:, None, None]
         scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        vb = vb.masked_fill(~valid[..., None], 0.0)
         m_new = torch.maximum(m, scores.amax(-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(scores - m_new[..., None])

@@ -1,0 +1,61 @@
+"""Time and peak memory of the exact-mode simulator on a long cache (CPU).
+
+Case: B=1, Hq=32, Hkv=8, S=131072, D=128, block 64 (bf16 cache), exact mode.
+Writes ``benchmarks/results/<date>-simulator-cpu.json``.
+
+    python benchmarks/simulator_speed.py [--seqlen 131072] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from art_analysis.blockwise import blockwise_attention
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig, stop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mode", default="exact", choices=("exact", "kernel"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    cache = synthetic_cache(1, 32, 8, args.seqlen, 128, preset="realistic", dtype=torch.bfloat16)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, mode=args.mode)
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    result = stop(trace, ARTConfig())
+    stop_time = time.perf_counter() - start
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row = dict(date=datetime.date.today().isoformat(), host=platform.node(), cpu_count=os.cpu_count(),
+               torch=torch.__version__, torch_threads=torch.get_num_threads(), mode=args.mode,
+               shape=dict(B=1, Hq=32, Hkv=8, S=args.seqlen, D=128, block_size=64, dtype="bfloat16"),
+               seconds=times, median_seconds=sorted(times)[len(times) // 2], stop_seconds=stop_time,
+               peak_rss_mib=peak_mib, rss_before_mib=rss_before,
+               mean_loaded_fraction=float(result.loaded_fraction.mean()))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{row['date']}-simulator-cpu.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(row, indent=2) + "\n")
+    tmp.replace(path)
+    print(f"{args.mode} mode, S={args.seqlen}: median {row['median_seconds']:.2f} s over {args.repeats} runs, "
+          f"stop() {stop_time:.3f} s, peak RSS {peak_mib:.0f} MiB (cache alone {rss_before:.0f} MiB) -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from art_analysis.synthetic import PRESETS, synthetic_cache
+
+
+def logits(cache):
+    group = cache.q.shape[1] // cache.k.shape[1]
+    k = cache.k.double().repeat_interleave(group, dim=1)
+    return torch.einsum("bhd,bhsd->bhs", cache.q.double(), k) * cache.q.shape[-1] ** -0.5
+
+
+def test_shapes_dtypes_and_determinism():
+    a = synthetic_cache(2, 6, 3, 500, 32, dtype=torch.float16, seed=4)
+    b = synthetic_cache(2, 6, 3, 500, 32, dtype=torch.float16, seed=4)
+    assert a.q.shape == (2, 6, 32) and a.k.shape == a.v.shape == (2, 3, 500, 32)
+    assert a.q.dtype == torch.float16
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert not torch.equal(a.k, synthetic_cache(2, 6, 3, 500, 32, dtype=torch.float16, seed=5).k)
+
+
+def test_logits_follow_the_requested_structure():
+    cache = synthetic_cache(1, 4, 1, 4000, 64, sink=10.0, recency=6.0, recency_scale=50.0, heavy=8.0,
+                            heavy_hitters=5, noise=0.5, query_noise=0.0)
+    s = logits(cache)[0, 0]
+    assert torch.allclose(s, cache.bias[0, 0], atol=3.0)   # bias plus noise of std ~0.5
+    middle = s[1000:3000].median()
+    assert s[:4].min() > middle + 7                            # sink
+    assert s[-5:].min() > middle + 4                           # recency
+    assert s[cache.heavy_hitters[0, 0]].min() > middle + 5     # heavy hitters
+
+
+def test_value_outliers_have_large_norms():
+    cache = synthetic_cache(1, 2, 1, 1000, 64, value_outliers=3, outlier_scale=10.0)
+    norms = cache.v[0, 0].norm(dim=-1)
+    assert norms[cache.value_outliers[0, 0]].min() > 4 * norms.median()
+
+
+def test_presets_differ_in_concentration():
+    def top_block_mass(preset):
+        s = logits(synthetic_cache(1, 4, 1, 4096, 64, preset=preset))
+        mass = torch.softmax(s, -1).view(1, 4, 64, 64).sum(-1)
+        return mass.topk(4, dim=-1).values.sum(-1).mean()
+    assert top_block_mass("diffuse") < top_block_mass("realistic") < top_block_mass("peaked")
+    assert set(PRESETS) == {"diffuse", "realistic", "peaked"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_q_heads=5, num_kv_heads=2), "num_q_heads % num_kv_heads"),
+    (dict(seqlen=0), "seqlen"), (dict(heavy_hitters=10_000), "heavy_hitters"),
+    (dict(preset="spiky"), "preset"), (dict(recency_scale=0.0), "recency_scale"),
+])
+def test_bad_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        synthetic_cache(**kwargs)
