@@ -4,12 +4,13 @@
 # never pulls a multi-GB CUDA wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Silence pip's per-package notes about configured local package folders that do not exist.
+exec 2> >(grep -v "^WARNING: Location 'file://" >&2)
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-"$VPY" -m pip install -q --upgrade pip >/dev/null
 if ! "$VPY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         "$VPY" -m pip install -q torch

@@ -1,0 +1,1 @@
+"""Analyses of block-wise decode attention: convergence, threshold sensitivity, misalignment."""

@@ -1,0 +1,84 @@
+"""`art-analysis simulate`: run the simulator and the stopping rules on one cache, print a table."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..blockwise import MODES, blockwise_attention
+from ..orders import ORDERS
+from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
+from ..synthetic import PRESETS, synthetic_cache
+from ..table import format_table
+from ..termination import ARTConfig
+from .art_options import add_art_options, art_config_from_args
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("simulate", help="simulate block-wise decode attention and the stopping rules",
+                                   description=__doc__)
+    source = parser.add_argument_group("input (a captured cache, or a synthetic one)")
+    source.add_argument("--capture", type=Path, help="a capture folder written by `art-analysis capture`")
+    source.add_argument("--layer", type=int, default=None, help="layer of the capture (default: all layers)")
+    source.add_argument("--step", type=int, default=-1, help="decode step of the capture (default: the last)")
+    source.add_argument("--synthetic", choices=sorted(PRESETS), default="realistic")
+    source.add_argument("--batch", type=int, default=1)
+    source.add_argument("--heads", default="32/8", help="query/KV heads of the synthetic cache")
+    source.add_argument("--seqlen", type=int, default=8192)
+    source.add_argument("--head-dim", type=int, default=128)
+    source.add_argument("--seed", type=int, default=0)
+    walk = parser.add_argument_group("walk")
+    walk.add_argument("--block-size", type=int, default=64)
+    walk.add_argument("--order", choices=ORDERS[:3], default="sink_recency")
+    walk.add_argument("--mode", choices=MODES, default="exact")
+    walk.add_argument("--policy", default=None,
+                      help="a KV-selection policy applied before ART, e.g. 'snapkv:budget=0.2'")
+    add_art_options(parser)
+    parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    art = art_config_from_args(args)
+    inputs = list(_inputs(args))
+    traces = []
+    for q, k, v, seqlens, queries, layer, num_layers in inputs:
+        selection = None
+        if args.policy:
+            from ..policies import parse_spec
+
+            selection = parse_spec(args.policy).select(k, v, queries=queries, layer=layer, num_layers=num_layers,
+                                                       block_size=args.block_size, cache_seqlens=seqlens)
+        traces.append(blockwise_attention(q, k, v, block_size=args.block_size, order=args.order,
+                                          cache_seqlens=seqlens, selection=selection, mode=args.mode))
+    rows = summarize(traces, standard_rules(art))
+    print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=2) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+def _inputs(args):
+    """Yield ``(q [B,Hq,D], k, v [B,Hkv,S,D], cache_seqlens [B], queries, layer, num_layers)``."""
+    if args.capture is not None:
+        from ..capture import KVCapture
+        from ..decode_inputs import decode_step_inputs
+
+        capture = KVCapture.load(args.capture)
+        layers = range(capture.num_layers) if args.layer is None else [args.layer]
+        for layer in layers:
+            q, k, v, seqlens, queries = decode_step_inputs(capture, layer, args.step)
+            yield q, k, v, seqlens, queries, layer, capture.num_layers
+        return
+    try:
+        q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        raise ValueError(f"--heads must look like 32/8 (query/KV heads), got {args.heads!r}") from None
+    cache = synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim, preset=args.synthetic,
+                            seed=args.seed)
+    seqlens = torch.full((args.batch,), args.seqlen)
+    yield cache.q, cache.k, cache.v, seqlens, cache.q[:, :, None, :], None, None

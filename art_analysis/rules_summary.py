@@ -1,0 +1,49 @@
+"""Summaries of stopping rules over one or more traces (one row per rule)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from .blockwise import BlockTrace
+from .termination import ARTConfig, FixedBudget, MassCoverage, Oracle, Rule, sweep
+
+
+def standard_rules(art: ARTConfig | None = None) -> list[Rule]:
+    """ART (project defaults and paper preset), its ablations, and the baselines."""
+    art = art or ARTConfig()
+    return [
+        art,
+        replace(art, use_scale=False),
+        replace(art, use_direction=False),
+        replace(art, patience=1),
+        ARTConfig.paper(),
+        Oracle(0.01),
+        MassCoverage(0.9),
+        MassCoverage(0.99),
+        FixedBudget(8),
+    ]
+
+
+def summarize(traces: Sequence[BlockTrace], rules: Sequence[Rule]) -> list[dict]:
+    """Mean loaded fraction and relative error of every rule, pooled over all heads of all traces.
+
+    Returns one dict per rule with ``rule, loaded_fraction, rel_error_mean, rel_error_p99,
+    rel_error_max, cos_error_mean``.
+    """
+    results = [sweep(trace, rules) for trace in traces]
+    rows = []
+    for i, rule in enumerate(rules):
+        loaded = torch.cat([r.loaded_fraction[i].flatten() for r in results]).double()
+        error = torch.cat([r.rel_error[i].flatten() for r in results]).double()
+        cos = torch.cat([r.cos_error[i].flatten() for r in results]).double()
+        rows.append(dict(rule=rule.name, loaded_fraction=float(loaded.mean()),
+                         rel_error_mean=float(error.mean()), rel_error_p99=float(torch.quantile(error, 0.99)),
+                         rel_error_max=float(error.max()), cos_error_mean=float(cos.mean())))
+    return rows
+
+
+SUMMARY_COLUMNS = ("rule", "loaded_fraction", "rel_error_mean", "rel_error_p99", "rel_error_max")
+SUMMARY_FORMATS = {"loaded_fraction": ".3f", "rel_error_mean": ".2e", "rel_error_p99": ".2e",
+                   "rel_error_max": ".2e"}
