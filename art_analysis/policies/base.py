@@ -1,0 +1,210 @@
+"""The policy base class and the validated inputs every policy selects from.
+
+A KV-selection policy maps a KV cache (and, for query-aware methods, recent queries) to the
+KV blocks it keeps per ``(b, kv_head)``.  Blocks are the unit the simulator and the decode
+kernel walk: block ``j`` of sequence ``b`` covers tokens ``[j * bs, min((j + 1) * bs, L_b))``
+with ``L_b = cache_seqlens[b]``; blocks with no valid token are never kept.
+
+Shapes: ``k, v [B, Hkv, S, D]``; ``queries [B, Hq, Nq, D]`` (``Hq % Hkv == 0``; query head
+``h`` reads KV head ``h // (Hq // Hkv)``); the selection is ``BoolTensor [B, Hkv, nb]`` with
+``nb = ceil(S / block_size)``.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """What a policy sees, validated once by :meth:`SelectionPolicy.select`.
+
+    Attributes:
+        k, v: ``[B, Hkv, S, D]`` KV cache.
+        queries: ``[B, Hq, Nq, D]`` observation-window / recent decode queries, or ``None``.
+        layer, num_layers: the layer the cache belongs to and the model's layer count, or ``None``.
+        block_size: tokens per block.
+        seqlens: ``LongTensor [B]`` valid tokens per sequence.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    queries: torch.Tensor | None
+    layer: int | None
+    num_layers: int | None
+    block_size: int
+    seqlens: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        """``nb = ceil(S / block_size)``."""
+        return math.ceil(self.k.shape[2] / self.block_size)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (needs ``queries``)."""
+        return self.queries.shape[1] // self.k.shape[1]
+
+    @property
+    def valid_tokens(self) -> torch.Tensor:
+        """``BoolTensor [B, S]``: token ``i`` of sequence ``b`` is valid when ``i < L_b``."""
+        positions = torch.arange(self.k.shape[2], device=self.k.device)
+        return positions[None, :] < self.seqlens[:, None]
+
+    @property
+    def blocks_per_sequence(self) -> torch.Tensor:
+        """``LongTensor [B]``: blocks holding at least one valid token, ``ceil(L_b / bs)``."""
+        return torch.div(self.seqlens + self.block_size - 1, self.block_size, rounding_mode="floor")
+
+    @property
+    def valid_blocks(self) -> torch.Tensor:
+        """``BoolTensor [B, nb]``: blocks holding at least one valid token."""
+        ids = torch.arange(self.num_blocks, device=self.k.device)
+        return ids[None, :] < self.blocks_per_sequence[:, None]
+
+    def every_valid_block(self) -> torch.Tensor:
+        """``BoolTensor [B, Hkv, nb]``: every block holding a valid token, for every KV head."""
+        return self.valid_blocks[:, None, :].expand(-1, self.k.shape[1], -1).clone()
+
+    def first_blocks(self, count: int) -> torch.Tensor:
+        """``BoolTensor [B, nb]``: the oldest ``count`` valid blocks of every sequence."""
+        ids = torch.arange(self.num_blocks, device=self.k.device)
+        return (ids[None, :] < count) & self.valid_blocks
+
+    def newest_blocks(self, count: torch.Tensor | int) -> torch.Tensor:
+        """``BoolTensor [B, nb]``: the newest ``count`` (int or ``[B]``) valid blocks of every sequence."""
+        ids = torch.arange(self.num_blocks, device=self.k.device)
+        count = torch.as_tensor(count, device=self.k.device).expand(self.seqlens.shape[0])
+        start = self.blocks_per_sequence - count
+        return (ids[None, :] >= start[:, None]) & self.valid_blocks
+
+    def to_blocks(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """Split the token axis ``dim`` (length ``S``) into ``[nb, block_size]``, zero-padded past ``S``.
+
+        For example ``[B, Hkv, S, D]`` -> ``[B, Hkv, nb, block_size, D]`` with ``dim=2``.
+        """
+        dim = dim % x.dim()
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.num_blocks * self.block_size - x.shape[dim]]
+        return torch.nn.functional.pad(x, pad).unflatten(dim, (self.num_blocks, self.block_size))
+
+    @property
+    def valid_block_tokens(self) -> torch.Tensor:
+        """``BoolTensor [B, nb, block_size]``: which slots of every block hold a valid token."""
+        return self.to_blocks(self.valid_tokens.to(torch.uint8), dim=1).bool()
+
+    def block_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum per-token values ``[B, ..., S]`` into per-block values ``[B, ..., nb]`` (invalid tokens count 0)."""
+        valid = self.valid_block_tokens.view(x.shape[0], *([1] * (x.dim() - 2)), self.num_blocks, self.block_size)
+        blocks = self.to_blocks(x, dim=-1)
+        return torch.where(valid, blocks, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
+
+
+class SelectionPolicy(ABC):
+    """Base of every policy: validates the inputs, then calls :meth:`keep_blocks`.
+
+    Subclasses are dataclasses whose fields are the method's hyper-parameters (checked in
+    ``__post_init__``); ``name`` is the registry key and ``needs_queries`` says whether
+    :meth:`select` requires ``queries``.
+    """
+
+    name: ClassVar[str]
+    needs_queries: ClassVar[bool] = False
+
+    def select(self, k: torch.Tensor, v: torch.Tensor, *, queries: torch.Tensor | None = None,
+               layer: int | None = None, num_layers: int | None = None, block_size: int = 64,
+               cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks kept per ``(b, kv_head)``.
+
+        Args:
+            k, v: ``[B, Hkv, S, D]`` KV cache.
+            queries: ``[B, Hq, Nq, D]`` queries that attend to the whole cache (an observation
+                window or recent decode queries; pass a decode query ``q [B, Hq, D]`` as
+                ``q[:, :, None]``).  Required by query-aware methods.
+            layer, num_layers: layer index in ``[0, num_layers)`` and layer count, for
+                layer-aware methods.
+            block_size: tokens per block.
+            cache_seqlens: ``[B]`` integer valid tokens per sequence, in ``[1, S]`` (default ``S``).
+
+        Returns:
+            ``BoolTensor [B, Hkv, ceil(S / block_size)]``; blocks without a valid token are ``False``.
+        """
+        inputs = validate_inputs(k, v, queries=queries, layer=layer, num_layers=num_layers,
+                                 block_size=block_size, cache_seqlens=cache_seqlens)
+        if self.needs_queries and queries is None:
+            raise ValueError(f"policy {self.name!r} scores blocks with queries: pass queries [B, Hq, Nq, D] "
+                             "(for a decode query q [B, Hq, D], queries=q[:, :, None])")
+        return self.keep_blocks(inputs)
+
+    @abstractmethod
+    def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
+        """``BoolTensor [B, Hkv, nb]`` from validated inputs."""
+
+    @property
+    def spec(self) -> str:
+        """``"name:field=value,..."`` listing every field; :func:`art_analysis.policies.parse_spec` reads it back."""
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"{self.name}:{params}" if params else self.name
+
+
+def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqlens) -> SelectionInputs:
+    """Check shapes, dtypes and devices at the public boundary and build :class:`SelectionInputs`."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [B, Hkv, S, D], got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+    batch, kv_heads, seqlen, dim = k.shape
+    if min(batch, kv_heads, seqlen, dim) < 1:
+        raise ValueError(f"k must have non-empty dims [B, Hkv, S, D], got {tuple(k.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if queries is not None:
+        if not isinstance(queries, torch.Tensor) or not queries.is_floating_point():
+            raise TypeError("queries must be a floating-point torch.Tensor [B, Hq, Nq, D]")
+        if queries.dim() != 4:
+            raise ValueError(f"queries must be [B, Hq, Nq, D] (a decode query q [B, Hq, D] is q[:, :, None]), "
+                             f"got shape {tuple(queries.shape)}")
+        if queries.shape[0] != batch or queries.shape[3] != dim:
+            raise ValueError(f"queries [B, Hq, Nq, D] must match k's B={batch} and D={dim}, "
+                             f"got {tuple(queries.shape)}")
+        if queries.shape[1] % kv_heads or queries.shape[1] == 0 or queries.shape[2] == 0:
+            raise ValueError(f"queries need Hq a positive multiple of Hkv={kv_heads} and Nq >= 1, "
+                             f"got {tuple(queries.shape)}")
+        if queries.device != k.device:
+            raise ValueError(f"queries must be on k's device {k.device}, got {queries.device}")
+        if not torch.isfinite(queries).all():
+            raise ValueError("queries hold NaN or Inf")
+    for name, value in (("layer", layer), ("num_layers", num_layers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if layer is not None and num_layers is not None and layer >= num_layers:
+        raise ValueError(f"layer must lie in [0, num_layers={num_layers}), got {layer}")
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), seqlen, dtype=torch.long, device=k.device)
+    else:
+        seqlens = torch.as_tensor(cache_seqlens, device=k.device)
+        if seqlens.is_floating_point() or seqlens.dtype == torch.bool:
+            raise TypeError(f"cache_seqlens must be an integer tensor [B], got {seqlens.dtype}")
+        if tuple(seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(seqlens.shape)}")
+        if (seqlens < 1).any() or (seqlens > seqlen).any():
+            raise ValueError(f"cache_seqlens must lie in [1, S={seqlen}], got {seqlens.tolist()}")
+        seqlens = seqlens.long()
+    inputs = SelectionInputs(k=k, v=v, queries=queries, layer=layer, num_layers=num_layers,
+                             block_size=block_size, seqlens=seqlens)
+    for name, t in (("k", k), ("v", v)):
+        if not torch.isfinite(t).all(-1).all(1)[inputs.valid_tokens].all():
+            raise ValueError(f"{name} holds NaN or Inf among the valid tokens")
+    return inputs
