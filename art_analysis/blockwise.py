@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checks import check_block_size, check_cache_seqlens, check_finite_cache
 from .orders import traversal_order, walkable_blocks
 
 MODES = ("exact", "kernel")
@@ -168,21 +169,10 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
                          f"got Hq={q_heads}, Hkv={kv_heads}")
     if seqlen < 1:
         raise ValueError("the KV cache must hold at least one token (S >= 1)")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_block_size(block_size)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if cache_seqlens is None:
-        seqlens = torch.full((batch,), seqlen, dtype=torch.long, device=k.device)
-    else:
-        seqlens = torch.as_tensor(cache_seqlens, device=k.device)
-        if seqlens.is_floating_point() or seqlens.dtype == torch.bool:
-            raise TypeError(f"cache_seqlens must be an integer tensor, got {seqlens.dtype}")
-        if seqlens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(seqlens.shape)}")
-        if (seqlens < 1).any() or (seqlens > seqlen).any():
-            raise ValueError(f"cache_seqlens must lie in [1, S={seqlen}], got {seqlens.tolist()}")
-        seqlens = seqlens.long()
+    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     if selection is not None:
         num_blocks = math.ceil(seqlen / block_size)
         if not isinstance(selection, torch.Tensor) or selection.dtype != torch.bool:
@@ -190,11 +180,7 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
         if tuple(selection.shape) != (batch, kv_heads, num_blocks):
             raise ValueError(f"selection must have shape {(batch, kv_heads, num_blocks)}, "
                              f"got {tuple(selection.shape)}")
-    valid_tokens = torch.arange(seqlen, device=k.device)[None, :] < seqlens[:, None]
-    for name, t in (("k", k), ("v", v)):
-        finite = torch.isfinite(t).all(-1).all(1)
-        if not finite[valid_tokens].all():
-            raise ValueError(f"{name} holds NaN or Inf among the valid tokens")
+    check_finite_cache(k, v, seqlens)
     if not torch.isfinite(q).all():
         raise ValueError("q holds NaN or Inf")
     if sm_scale is None:

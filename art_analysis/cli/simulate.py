@@ -22,7 +22,8 @@ def register(subparsers) -> None:
     source = parser.add_argument_group("input (a captured cache, or a synthetic one)")
     source.add_argument("--capture", type=Path, help="a capture folder written by `art-analysis capture`")
     source.add_argument("--layer", type=int, default=None, help="layer of the capture (default: all layers)")
-    source.add_argument("--step", type=int, default=-1, help="decode step of the capture (default: the last)")
+    source.add_argument("--step", type=int, default=-1,
+                        help="decode step of the capture; negative counts from the end (default: the last)")
     source.add_argument("--synthetic", choices=sorted(PRESETS), default="realistic")
     source.add_argument("--batch", type=int, default=1)
     source.add_argument("--heads", default="32/8", help="query/KV heads of the synthetic cache")
@@ -66,13 +67,14 @@ def _inputs(args):
     """Yield ``(q [B,Hq,D], k, v [B,Hkv,S,D], cache_seqlens [B], queries, layer, num_layers)``."""
     if args.capture is not None:
         from ..capture import KVCapture
-        from ..decode_inputs import decode_step_inputs
 
         capture = KVCapture.load(args.capture)
-        layers = range(capture.num_layers) if args.layer is None else [args.layer]
+        step = args.step % capture.decode_steps if args.step < 0 else args.step
+        layers = capture.layers if args.layer is None else [args.layer]
         for layer in layers:
-            q, k, v, seqlens, queries = decode_step_inputs(capture, layer, args.step)
-            yield q, k, v, seqlens, queries, layer, capture.num_layers
+            q, k, v, seqlens = capture.decode_inputs(layer, step)
+            queries = capture.layer(layer)[0][:, :, : step + 1]
+            yield q, k, v, seqlens, queries, layer, len(capture.layers)
         return
     try:
         q_heads, kv_heads = (int(x) for x in args.heads.split("/"))

@@ -1,0 +1,38 @@
+"""Input checks shared by the public entry points (simulator, policies, analyses)."""
+from __future__ import annotations
+
+import torch
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` must be a positive ``int``."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return block_size
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """Valid tokens per sequence as ``LongTensor [B]`` in ``[1, S]`` (``None`` means ``S`` for all)."""
+    if cache_seqlens is None:
+        return torch.full((batch,), seqlen, dtype=torch.long, device=device)
+    seqlens = torch.as_tensor(cache_seqlens, device=device)
+    if seqlens.is_floating_point() or seqlens.dtype == torch.bool:
+        raise TypeError(f"cache_seqlens must be an integer tensor [B], got {seqlens.dtype}")
+    if tuple(seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(seqlens.shape)}")
+    if (seqlens < 1).any() or (seqlens > seqlen).any():
+        raise ValueError(f"cache_seqlens must lie in [1, S={seqlen}], got {seqlens.tolist()}")
+    return seqlens.long()
+
+
+def valid_token_mask(seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """``BoolTensor [B, S]``: token ``i`` of sequence ``b`` is valid when ``i < seqlens[b]``."""
+    return torch.arange(seqlen, device=seqlens.device)[None, :] < seqlens[:, None]
+
+
+def check_finite_cache(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor) -> None:
+    """``k, v [B, Hkv, S, D]`` must be finite on every valid token (garbage past the length is allowed)."""
+    valid = valid_token_mask(seqlens, k.shape[2])
+    for name, t in (("k", k), ("v", v)):
+        if not torch.isfinite(t).all(-1).all(1)[valid].all():
+            raise ValueError(f"{name} holds NaN or Inf among the valid tokens")
