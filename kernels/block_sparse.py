@@ -1,0 +1,169 @@
+"""Launchers: causal block-sparse prefill attention and the full FlexPrefill call.
+
+* :func:`block_sparse_attention` runs the Triton kernel of :mod:`kernels.block_sparse_kernel`
+  over the tiles of a ``[B, Hq, nb, nb]`` block mask (FlexPrefill's compute step).
+* :func:`flexprefill_attention` chains the on-device estimation of
+  :mod:`kernels.flexprefill_estimate` and that kernel.
+
+The readable reference for both is ``art_analysis.flexprefill`` (``sparse_attention`` and
+``select_blocks``).  Only causal self-attention prefill is supported (``Nq == Nk``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.block_sparse_kernel import block_sparse_attention_kernel
+from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
+from kernels.prefill_checks import check_prefill_inputs
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch parameters; ``block_m`` and ``block_n`` must divide the block size."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, block_size: int) -> KernelConfig:
+    """Tiles for Hopper-class GPUs (and small tiles for the CPU interpreter)."""
+    if not torch.cuda.is_available():
+        tile = min(block_size, 32)
+        return KernelConfig(tile, tile, 4, 1)
+    block_m = min(block_size, 128)
+    block_n = min(block_size, 64 if head_dim == 128 else 128)
+    return KernelConfig(block_m, block_n, 8 if head_dim == 128 else 4, 3)
+
+
+def column_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row key-block lists from a block mask, without host synchronisation.
+
+    Args:
+        block_mask: ``[B, H, nb, nb]`` bool; tiles above the diagonal are dropped.
+    Returns:
+        ``cols [B, H, nb, nb]`` int32 (the first ``counts`` entries of each row hold its kept
+        key blocks in ascending order; the rest are padding) and ``counts [B, H, nb]`` int32.
+    """
+    nb = block_mask.shape[-1]
+    idx = torch.arange(nb, device=block_mask.device)
+    mask = block_mask & (idx[None, :] <= idx[:, None])
+    slot = torch.where(mask, mask.cumsum(dim=-1) - 1, nb)
+    table = torch.zeros(*mask.shape[:-1], nb + 1, dtype=torch.int32, device=mask.device)
+    table.scatter_(-1, slot, idx.to(torch.int32).expand_as(slot).contiguous())
+    return table[..., :nb], mask.sum(dim=-1, dtype=torch.int32)
+
+
+def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, causal: bool) -> None:
+    check_prefill_inputs(q, k, v)
+    if not causal:
+        raise ValueError("only causal attention is supported (causal=False was requested)")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, *,
+                           block_size: int = 128, sm_scale: float | None = None, causal: bool = True,
+                           return_lse: bool = False, config: KernelConfig | None = None):
+    """Causal attention over the tiles kept in ``block_mask``.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]``; fp16 or bf16, D in {64, 128}.
+        block_mask: ``[B, Hq, nb, nb]`` bool, ``nb = ceil(N / block_size)``.
+        block_size: tokens per block (power of two, 16..256).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        causal: must be True.
+        return_lse: also return ``lse [B, Hq, N]`` float32 (natural log; ``-inf`` for a row
+            whose list is empty, whose output is 0).
+        config: tile override (see :func:`default_config`).
+    Returns:
+        ``out [B, Hq, N, D]`` in q's dtype, and ``lse`` on request.
+    """
+    _check_kernel_inputs(q, k, v, block_size, causal)
+    b, hq, n, d = q.shape
+    nb = -(-n // block_size)
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
+        raise TypeError("block_mask must be a bool tensor [B, Hq, nb, nb]")
+    if tuple(block_mask.shape) != (b, hq, nb, nb):
+        raise ValueError(f"block_mask must have shape {(b, hq, nb, nb)} for N={n}, block_size={block_size}, "
+                         f"got {tuple(block_mask.shape)}")
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device} but q is on {q.device}")
+    cfg = config or default_config(d, block_size)
+    if block_size % cfg.block_m or block_size % cfg.block_n:
+        raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")
+    cols, counts = column_table(block_mask)
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out.new_empty(1, 1, 1)
+    grid = (triton.cdiv(n, cfg.block_m), b * hq)
+    block_sparse_attention_kernel[grid](
+        q, k, v, out, lse, cols, counts,
+        scale * math.log2(math.e), n, hq, hq // k.shape[1],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *cols.stride(), *counts.stride(),
+        HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RETURN_LSE=return_lse,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (out, lse) if return_lse else out
+
+
+def flexprefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gamma: float = 0.9,
+                          tau: float = 0.1, block_size: int = 128, min_budget: int = 1024,
+                          max_budget: int | None = None, sm_scale: float | None = None,
+                          estimate_scale: float | None = None, budget_divisor: int | None = None,
+                          union_vs_for_query_aware: bool = False, js_eps: float | None = 1e-10,
+                          causal: bool = True, return_lse: bool = False, return_estimate: bool = False,
+                          config: KernelConfig | None = None):
+    """FlexPrefill: on-device block selection, then :func:`block_sparse_attention`.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]``; fp16 or bf16, D in {64, 128}.
+        gamma: attention mass to cover, in ``(0, 1]``.  tau: JS threshold for query-aware heads.
+        block_size, min_budget, max_budget: as ``art_analysis.flexprefill.select_blocks``
+            (budgets in tokens).
+        sm_scale: attention softmax scale, default ``D ** -0.5``.
+        estimate_scale: softmax scale of the estimation, default ``sm_scale`` (upstream always
+            estimates with ``D ** -0.5``).
+        budget_divisor, union_vs_for_query_aware, js_eps: upstream quirk flags (see
+            ``art_analysis.flexprefill``).
+        return_lse: also return the LSE ``[B, Hq, N]``.
+        return_estimate: also return the :class:`FlexPrefillEstimate` (mask, patterns, JS).
+    Returns:
+        ``out [B, Hq, N, D]``, then ``lse`` and/or the estimate when requested.
+    """
+    _check_kernel_inputs(q, k, v, block_size, causal)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    estimate = estimate_block_mask(
+        q, k, gamma=gamma, tau=tau, block_size=block_size, min_budget=min_budget, max_budget=max_budget,
+        sm_scale=scale if estimate_scale is None else float(estimate_scale), budget_divisor=budget_divisor,
+        union_vs_for_query_aware=union_vs_for_query_aware, js_eps=js_eps)
+    result = block_sparse_attention(q, k, v, estimate.block_mask, block_size=block_size, sm_scale=scale,
+                                    return_lse=return_lse, config=config)
+    outputs = (result if return_lse else (result,)) + ((estimate,) if return_estimate else ())
+    return outputs if len(outputs) > 1 else outputs[0]
+
+
+__all__ = ["KernelConfig", "default_config", "column_table", "block_sparse_attention", "flexprefill_attention",
+           "FlexPrefillEstimate", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES"]
