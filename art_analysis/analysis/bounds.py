@@ -1,0 +1,132 @@
+"""The truncation error of a stopped walk, and bounds on it.
+
+If the walk stops after step ``t``, ``R`` is the set of unvisited tokens, ``rho_R`` their share
+of the softmax mass and ``Obar_R`` their softmax-weighted mean value, then exactly (DESIGN §5)::
+
+    O_full - O^(t) = rho_R (Obar_R - O^(t))
+    ||O_full - O^(t)|| <= rho_R (||Obar_R|| + ||O^(t)||) <= rho_R (max_{j in R} ||v_j|| + ||O^(t)||)
+
+The last form needs only ``rho_R``.  ``rho_R`` itself is unknown at run time, but Quest-style
+per-block key bounds make it certifiable: every unvisited score is at most
+``u_b = sm_scale * sum_i max(q_i kmax_{b,i}, q_i kmin_{b,i})``, so with the kernel's running
+max ``m_t`` and sum ``l_t``::
+
+    l_R <= sum_{b in R} n_b exp(u_b - m_t),    rho_R <= l_R / (l_t + l_R)
+
+which gives a **certified** bound computable from the visited state and per-block key
+min/max alone.  :func:`truncation_report` evaluates every term from the raw cache in float64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..blockwise import BlockTrace
+from ..checks import valid_token_mask
+
+
+@dataclass
+class TruncationReport:
+    """All ``[B, Hq]`` float64.
+
+    Attributes:
+        error: ``||O_full - O^(t)||``.
+        identity_residual: ``||(O_full - O^(t)) - rho_R (Obar_R - O^(t))||`` (rounding only).
+        rho: ``rho_R``, the unvisited share of the softmax mass.
+        bound_mean: ``rho_R (||Obar_R|| + ||O^(t)||)``.
+        bound_max_value: ``rho_R (max_R ||v_j|| + ||O^(t)||)``.
+        rho_certified: the key-bound upper estimate of ``rho_R``.
+        bound_certified: ``rho_certified (max_R ||v_j|| + ||O^(t)||)``.
+    """
+
+    error: torch.Tensor
+    identity_residual: torch.Tensor
+    rho: torch.Tensor
+    bound_mean: torch.Tensor
+    bound_max_value: torch.Tensor
+    rho_certified: torch.Tensor
+    bound_certified: torch.Tensor
+
+
+def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      stop_step: torch.Tensor, cache_seqlens: torch.Tensor | None = None) -> TruncationReport:
+    """Truncation error and bounds for a walk stopped at ``stop_step``.
+
+    Args:
+        trace: the trace of ``q, k, v`` (any mode; the visited state is read at ``stop_step``).
+        q: ``[B, Hq, D]``; k, v: ``[B, Hkv, S, D]``: the inputs that produced ``trace``.
+        stop_step: ``[B, Hq]`` last visited step (e.g. ``stop(trace, rule).stop_step``).
+        cache_seqlens: ``[B]`` as given to the simulator.
+    """
+    batch, kv_heads, seqlen, dim = k.shape
+    group = trace.group_size
+    if tuple(stop_step.shape) != tuple(trace.final_out.shape[:2]):
+        raise ValueError(f"stop_step must be [B, Hq]={tuple(trace.final_out.shape[:2])}, got {tuple(stop_step.shape)}")
+    seqlens = torch.full((batch,), seqlen, device=k.device) if cache_seqlens is None else cache_seqlens.long()
+    block_size = trace.block_size
+    num_blocks = -(-seqlen // block_size)
+    block_of_token = torch.arange(seqlen, device=k.device) // block_size
+
+    # Visited blocks per query head: steps 0..stop_step of its KV head's order.
+    ids = trace.block_ids.repeat_interleave(group, dim=1)                         # [B, Hq, T]
+    steps = torch.arange(ids.shape[-1], device=ids.device)
+    taken = (steps <= stop_step[..., None]) & (ids >= 0)
+    visited_blocks = _block_set(ids, taken, num_blocks)
+    # Blocks the walk could have visited (selection and length); the rest of R is what it skipped.
+    walk_blocks = _block_set(ids, ids >= 0, num_blocks)
+    valid = valid_token_mask(seqlens, seqlen)[:, None, :]
+    in_walk = walk_blocks[..., block_of_token] & valid                             # [B, Hq, S]
+    visited = visited_blocks[..., block_of_token] & in_walk
+    unvisited = in_walk & ~visited
+
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.double(), k64) * trace.sm_scale
+    scores = scores.masked_fill(~in_walk, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    full = torch.einsum("bhs,bhsd->bhd", weights, v64)
+    rho = (weights * unvisited).sum(-1)
+    visited_w = weights * visited
+    partial = torch.einsum("bhs,bhsd->bhd", visited_w, v64) / visited_w.sum(-1, keepdim=True)
+    unvisited_w = weights * unvisited
+    mean_unvisited = torch.einsum("bhs,bhsd->bhd", unvisited_w, v64) / unvisited_w.sum(-1, keepdim=True).clamp(min=1e-300)
+
+    error_vec = full - partial
+    error = torch.linalg.vector_norm(error_vec, dim=-1)
+    residual = torch.linalg.vector_norm(error_vec - rho[..., None] * (mean_unvisited - partial), dim=-1)
+    partial_norm = torch.linalg.vector_norm(partial, dim=-1)
+    value_norm = torch.linalg.vector_norm(v64, dim=-1).masked_fill(~unvisited, 0.0)
+    max_value = value_norm.amax(-1)
+
+    # Certified rho from per-block key min/max and the visited running state.
+    key_min = k64.masked_fill(~valid[..., None], float("inf"))
+    key_max = k64.masked_fill(~valid[..., None], float("-inf"))
+    pad = num_blocks * block_size - seqlen
+    if pad:
+        key_min = torch.nn.functional.pad(key_min, (0, 0, 0, pad), value=float("inf"))
+        key_max = torch.nn.functional.pad(key_max, (0, 0, 0, pad), value=float("-inf"))
+    key_min = key_min.view(batch, -1, num_blocks, block_size, dim).amin(3)
+    key_max = key_max.view(batch, -1, num_blocks, block_size, dim).amax(3)
+    qe = q.double()[:, :, None, :]
+    tokens_unvisited = torch.zeros(batch, kv_heads * group, num_blocks, dtype=torch.float64, device=k.device)
+    tokens_unvisited.scatter_add_(-1, block_of_token.expand_as(unvisited), unvisited.double())
+    # Blocks without unvisited tokens add nothing (their key bounds may be infinite).
+    upper = torch.maximum(qe * key_max, qe * key_min).sum(-1) * trace.sm_scale
+    upper = upper.masked_fill(tokens_unvisited == 0, float("-inf"))
+    index = stop_step[..., None]
+    m_t = torch.gather(trace.running_max.double(), -1, index).squeeze(-1)
+    l_t = torch.gather(trace.running_sum.double(), -1, index).squeeze(-1)
+    bound_mass = (tokens_unvisited * torch.exp(upper - m_t[..., None])).sum(-1)
+    rho_certified = bound_mass / (l_t + bound_mass)
+    return TruncationReport(error=error, identity_residual=residual, rho=rho,
+                            bound_mean=rho * (torch.linalg.vector_norm(mean_unvisited, dim=-1) + partial_norm),
+                            bound_max_value=rho * (max_value + partial_norm), rho_certified=rho_certified,
+                            bound_certified=rho_certified * (max_value + partial_norm))
+
+
+def _block_set(ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``BoolTensor [B, H, num_blocks]`` marking ``ids [B, H, T]`` where ``keep`` holds."""
+    marks = torch.zeros(*ids.shape[:2], num_blocks + 1, dtype=torch.bool, device=ids.device)
+    marks.scatter_(-1, torch.where(keep, ids, num_blocks), True)
+    return marks[..., :num_blocks]

@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from art_analysis.analysis.bounds import truncation_report
+from art_analysis.blockwise import blockwise_attention
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig, FixedBudget, stop
+
+
+@pytest.mark.parametrize("mode", ["exact", "kernel"])
+@pytest.mark.parametrize("preset", ["diffuse", "realistic", "peaked"])
+def test_identity_holds_and_bounds_are_ordered(mode, preset):
+    cache = synthetic_cache(2, 6, 2, 1000, 16, preset=preset, seed=3)
+    lens = torch.tensor([1000, 777])
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, cache_seqlens=lens, mode=mode)
+    for rule in (FixedBudget(1), FixedBudget(4), ARTConfig(tau=1e-3, phi=1e-4, patience=2, group="head")):
+        result = stop(trace, rule)
+        report = truncation_report(trace, cache.q, cache.k, cache.v, result.stop_step, lens)
+        scale = report.error.max().clamp(min=1.0)
+        assert report.identity_residual.max() < 1e-10 * scale
+        # The truncated output is exactly the simulator's partial output at the stop step.
+        assert torch.allclose(report.error, (result.output.double() - trace.final_out.double()).norm(dim=-1),
+                              atol=2e-5 if mode == "kernel" else 1e-10)
+        assert torch.all(report.error <= report.bound_mean * (1 + 1e-9) + 1e-12)
+        assert torch.all(report.bound_mean <= report.bound_max_value * (1 + 1e-9) + 1e-12)
+        # The certified rho never underestimates the true one (kernel mode rounds m and l in fp32).
+        assert torch.all(report.rho <= report.rho_certified * (1 + 1e-4) + 1e-12)
+        assert torch.all(report.error <= report.bound_certified * (1 + 1e-4) + 1e-12)
+
+
+def test_full_walk_has_zero_error_and_zero_bounds():
+    cache = synthetic_cache(1, 4, 2, 300, 8)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=32)
+    report = truncation_report(trace, cache.q, cache.k, cache.v, trace.steps_per_head - 1)
+    assert torch.all(report.rho == 0) and torch.all(report.rho_certified == 0)
+    assert torch.all(report.error < 1e-12) and torch.all(report.bound_certified == 0)
+
+
+def test_rho_matches_the_unvisited_block_mass():
+    cache = synthetic_cache(1, 2, 1, 640, 8, seed=9)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64)
+    stop_step = torch.full((1, 2), 3)
+    report = truncation_report(trace, cache.q, cache.k, cache.v, stop_step)
+    assert torch.allclose(report.rho, 1 - trace.block_mass[..., :4].sum(-1), atol=1e-12)
