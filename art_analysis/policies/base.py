@@ -18,6 +18,8 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, valid_token_mask
+
 
 @dataclass(frozen=True)
 class SelectionInputs:
@@ -52,8 +54,7 @@ class SelectionInputs:
     @property
     def valid_tokens(self) -> torch.Tensor:
         """``BoolTensor [B, S]``: token ``i`` of sequence ``b`` is valid when ``i < L_b``."""
-        positions = torch.arange(self.k.shape[2], device=self.k.device)
-        return positions[None, :] < self.seqlens[:, None]
+        return valid_token_mask(self.seqlens, self.k.shape[2])
 
     @property
     def blocks_per_sequence(self) -> torch.Tensor:
@@ -166,8 +167,7 @@ def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqle
     batch, kv_heads, seqlen, dim = k.shape
     if min(batch, kv_heads, seqlen, dim) < 1:
         raise ValueError(f"k must have non-empty dims [B, Hkv, S, D], got {tuple(k.shape)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_block_size(block_size)
     if queries is not None:
         if not isinstance(queries, torch.Tensor) or not queries.is_floating_point():
             raise TypeError("queries must be a floating-point torch.Tensor [B, Hq, Nq, D]")
@@ -191,20 +191,8 @@ def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqle
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if layer is not None and num_layers is not None and layer >= num_layers:
         raise ValueError(f"layer must lie in [0, num_layers={num_layers}), got {layer}")
-    if cache_seqlens is None:
-        seqlens = torch.full((batch,), seqlen, dtype=torch.long, device=k.device)
-    else:
-        seqlens = torch.as_tensor(cache_seqlens, device=k.device)
-        if seqlens.is_floating_point() or seqlens.dtype == torch.bool:
-            raise TypeError(f"cache_seqlens must be an integer tensor [B], got {seqlens.dtype}")
-        if tuple(seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(seqlens.shape)}")
-        if (seqlens < 1).any() or (seqlens > seqlen).any():
-            raise ValueError(f"cache_seqlens must lie in [1, S={seqlen}], got {seqlens.tolist()}")
-        seqlens = seqlens.long()
+    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
+    check_finite_cache(k, v, seqlens)
     inputs = SelectionInputs(k=k, v=v, queries=queries, layer=layer, num_layers=num_layers,
                              block_size=block_size, seqlens=seqlens)
-    for name, t in (("k", k), ("v", v)):
-        if not torch.isfinite(t).all(-1).all(1)[inputs.valid_tokens].all():
-            raise ValueError(f"{name} holds NaN or Inf among the valid tokens")
     return inputs

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blockwise import BlockTrace, blockwise_attention
+from ..checks import check_block_size, check_cache_seqlens
 from .base import SelectionPolicy
 
 WALK_ORDERS = ("sequential", "recency", "sink_recency")
@@ -91,8 +92,8 @@ def walk_order(selection: torch.Tensor, order: str, *, block_size: int,
     if order not in WALK_ORDERS:
         raise ValueError(f"order must be one of {WALK_ORDERS} for a paged walk, got {order!r}")
     batch, kv_heads, num_blocks = selection.shape
-    seqlens = _seqlens(cache_seqlens, batch, num_blocks * block_size if seqlen is None else seqlen,
-                       selection.device)
+    seqlens = check_cache_seqlens(cache_seqlens, batch, num_blocks * block_size if seqlen is None else seqlen,
+                                  selection.device)
     ids = torch.arange(num_blocks, device=selection.device)
     kept = selection & (ids * block_size < seqlens[:, None])[:, None, :]
     # Rank of each kept block in increasing id (its row in the block table).
@@ -155,12 +156,11 @@ def paged_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
         raise ValueError(f"expected q [B, Hq, D] and k, v [B, Hkv, S, D] with Hq % Hkv == 0, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, kv_heads, seqlen, dim = k.shape
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_block_size(block_size)
     num_blocks = -(-seqlen // block_size)
     if selection.dtype != torch.bool or tuple(selection.shape) != (batch, kv_heads, num_blocks):
         raise ValueError(f"selection must be a BoolTensor of shape {(batch, kv_heads, num_blocks)}")
-    seqlens = _seqlens(cache_seqlens, batch, seqlen, k.device)
+    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     walk = walk_order(selection, "sequential", block_size=block_size, cache_seqlens=seqlens, seqlen=seqlen)
     if walk.shape[-1] == 0 or (walk[..., 0] < 0).any():
         raise ValueError("every (b, kv_head) must keep at least one block holding valid tokens")
@@ -174,11 +174,3 @@ def paged_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
                           block_table=table.reshape(batch * kv_heads, -1).to(torch.int32).contiguous(),
                           cache_seqlens=tokens.sum(-1).reshape(-1).to(torch.int32), batch=batch, kv_heads=kv_heads)
 
-
-def _seqlens(cache_seqlens, batch: int, seqlen: int, device) -> torch.Tensor:
-    if cache_seqlens is None:
-        return torch.full((batch,), seqlen, dtype=torch.long, device=device)
-    seqlens = torch.as_tensor(cache_seqlens, device=device)
-    if seqlens.is_floating_point() or tuple(seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens must be an integer tensor of shape [{batch}]")
-    return seqlens.long()
