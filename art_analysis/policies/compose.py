@@ -8,7 +8,8 @@ increasing block id, become its block table, and the query heads of that KV head
 program anyway.  Keeping block ids increasing puts the only partial block (a sequence's last)
 at the end of the table, where the kernel's length mask expects it.
 
-The kernel walks that table in its traversal order; :func:`walk_order` gives the original
+:func:`paged_art_decode` runs ``kernels.art_decode`` on that layout.  The kernel walks the
+table in its traversal order; :func:`walk_order` gives the original
 block ids it visits, step by step, which is the explicit order :func:`simulate_policy` hands
 the simulator, so the two walk the same blocks in the same order:
 
@@ -72,8 +73,22 @@ class PagedSelection:
         return out.reshape(self.batch, -1, *out.shape[2:])
 
     def unflatten_steps(self, steps: torch.Tensor) -> torch.Tensor:
-        """Per-sequence values ``[B * Hkv, ...]`` -> ``[B, Hkv, ...]``."""
-        return steps.reshape(self.batch, self.kv_heads, *steps.shape[1:])
+        """Kernel stats ``[B * Hkv, 1, splits]`` (one KV head per sequence) -> ``[B, Hkv, splits]``."""
+        return steps.reshape(self.batch, self.kv_heads, steps.shape[-1])
+
+
+@dataclass
+class KernelRun:
+    """What the paged kernel returns for a selection.
+
+    Attributes:
+        out: ``[B, Hq, D]`` attention output (``q``'s dtype).
+        steps: ``int32 [B, Hkv, splits]`` KV blocks loaded per program; with one split,
+            ``steps - 1`` is the simulator's ``stop_step`` of the group.
+    """
+
+    out: torch.Tensor
+    steps: torch.Tensor
 
 
 def walk_order(selection: torch.Tensor, order: str, *, block_size: int,
@@ -174,3 +189,22 @@ def paged_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
                           block_table=table.reshape(batch * kv_heads, -1).to(torch.int32).contiguous(),
                           cache_seqlens=tokens.sum(-1).reshape(-1).to(torch.int32), batch=batch, kv_heads=kv_heads)
 
+
+def paged_art_decode(paged: PagedSelection, *, art=None, order: str = "sink_recency", sm_scale: float | None = None,
+                     num_splits: int | None = None) -> KernelRun:
+    """Run ``kernels.art_decode`` over a :class:`PagedSelection` (block size = page size).
+
+    Args:
+        paged: from :func:`paged_selection`.
+        art: ``kernels.art_params.ARTParams`` (``ARTConfig.kernel_params()``) or ``None`` (dense).
+        order: ``"sequential"`` or ``"sink_recency"`` over each table (see :func:`walk_order`).
+        sm_scale, num_splits: passed to the kernel.
+    """
+    from kernels.art_decode import art_decode
+
+    if not isinstance(paged, PagedSelection):
+        raise TypeError(f"paged must be a PagedSelection (see paged_selection), got {type(paged).__name__}")
+    out, steps = art_decode(paged.q, paged.k_cache, paged.v_cache, cache_seqlens=paged.cache_seqlens,
+                            block_table=paged.block_table, sm_scale=sm_scale, art=art, order=order,
+                            block_size=paged.k_cache.shape[1], num_splits=num_splits, return_stats=True)
+    return KernelRun(out=paged.unflatten_heads(out), steps=paged.unflatten_steps(steps))
