@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, valid_token_mask
+from .budget import tokens_to_blocks
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class SelectionInputs:
     @property
     def blocks_per_sequence(self) -> torch.Tensor:
         """``LongTensor [B]``: blocks holding at least one valid token, ``ceil(L_b / bs)``."""
-        return torch.div(self.seqlens + self.block_size - 1, self.block_size, rounding_mode="floor")
+        return tokens_to_blocks(self.seqlens, self.block_size)
 
     @property
     def valid_blocks(self) -> torch.Tensor:
