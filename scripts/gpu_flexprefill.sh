@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# FlexPrefill on one CUDA GPU: the bf16 correctness tests at real sizes (pytest -m gpu), then the
+# benchmark.  Logs and the JSON go to $OUT when set (the device runner), else benchmarks/results.
+# A captured layer (.carry/smollm2_prefill.safetensors, keys q15/k15/v15) is benchmarked too when present.
+set -uo pipefail
+out_dir="${OUT:-benchmarks/results}"
+mkdir -p "$out_dir"
+export PYTHONUNBUFFERED=1
+python3 -m pytest -q -m gpu tests/test_block_sparse.py 2>&1 | tee "$out_dir/flexprefill_gpu_tests.log"
+capture=.carry/smollm2_prefill.safetensors
+extra=()
+[ -f "$capture" ] && extra=(--capture "$capture" --capture-layer 15)
+python3 -m kernels.bench_flexprefill --out "$out_dir" "${extra[@]}" 2>&1 | tee "$out_dir/flexprefill_bench.log"

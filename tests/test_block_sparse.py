@@ -1,0 +1,167 @@
+"""The Triton block-sparse prefill kernel and on-device estimation, held to the PyTorch reference.
+
+CPU runs use the Triton interpreter with fp16 on small shapes; ``-m gpu`` runs bf16 at real
+sizes.
+"""
+import pytest
+import torch
+
+from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
+from kernels.bench_flexprefill import structured_prefill
+from kernels.block_sparse import block_sparse_attention, column_table, flexprefill_attention
+from kernels.flexprefill_estimate import estimate_block_mask, representative_lines
+
+
+def _inputs(b, hq, hkv, n, d, dtype=torch.float16, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=gen, device=device).to(dtype) for h in (hq, hkv, hkv))
+
+
+def _random_mask(b, h, nb, keep, seed=0, device="cpu"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mask = torch.rand(b, h, nb, nb, generator=gen, device=device) < keep
+    idx = torch.arange(nb, device=device)
+    return mask | (idx[None, :] == idx[:, None])
+
+
+def test_column_table_lists_kept_blocks_ascending():
+    mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    mask[0, 0, 0, 0] = True
+    mask[0, 0, 2, [0, 2]] = True
+    mask[0, 0, 3, [1, 2, 3]] = True
+    mask[0, 0, 1, 3] = True  # above the diagonal: dropped
+    cols, counts = column_table(mask)
+    assert counts.tolist() == [[[1, 0, 2, 3]]]
+    assert cols[0, 0, 0, :1].tolist() == [0]
+    assert cols[0, 0, 2, :2].tolist() == [0, 2]
+    assert cols[0, 0, 3, :3].tolist() == [1, 2, 3]
+    assert cols.dtype == torch.int32 and counts.dtype == torch.int32
+
+
+@pytest.mark.parametrize("hq,hkv,n,d,bs", [(4, 2, 200, 64, 32), (3, 1, 64, 128, 16)])
+def test_kernel_matches_reference_fp16(hq, hkv, n, d, bs):
+    q, k, v = _inputs(2, hq, hkv, n, d)
+    nb = -(-n // bs)
+    mask = _random_mask(2, hq, nb, 0.4)
+    out, lse = block_sparse_attention(q, k, v, mask, block_size=bs, return_lse=True)
+    ref, ref_lse = sparse_attention(q, k, v, mask, bs, return_lse=True, compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    fp16_torch = sparse_attention(q, k, v, mask, bs).half()
+    err = (out.double() - ref).abs().max()
+    assert err <= 3 * (fp16_torch.double() - ref).abs().max() + 1e-3
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+def test_kernel_empty_rows_give_zero_output_and_minus_inf_lse():
+    q, k, v = _inputs(1, 2, 1, 96, 64)
+    mask = torch.zeros(1, 2, 3, 3, dtype=torch.bool)
+    mask[0, 0] = torch.eye(3, dtype=torch.bool)
+    out, lse = block_sparse_attention(q, k, v, mask, block_size=32, return_lse=True)
+    assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, 1]).all()
+    ref = sparse_attention(q, k, v, mask, 32)
+    assert torch.allclose(out[0, 0].float(), ref[0, 0], atol=2e-3)
+
+
+def test_all_tiles_equal_dense_causal_attention():
+    q, k, v = _inputs(1, 4, 2, 100, 64, seed=3)
+    mask = torch.ones(1, 4, 4, 4, dtype=torch.bool)
+    out = block_sparse_attention(q, k, v, mask, block_size=32)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), is_causal=True)
+    assert (out.float() - dense).abs().max() < 2e-3
+
+
+def test_estimation_lines_match_reference():
+    q, k, _ = _inputs(2, 4, 2, 150, 64, seed=1)
+    lines = representative_lines(q, k, block_size=32, sm_scale=0.125)
+    stats = representative_attention(q, k, block_size=32, sm_scale=0.125)
+    assert torch.allclose(lines[:, :, 0], stats.vertical, atol=1e-6)
+    assert torch.allclose(lines[:, :, 1], stats.slash, atol=1e-6)
+    assert torch.allclose(lines.sum(-1), torch.ones(2, 4, 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.15, 1.0])
+def test_estimated_mask_equals_reference_selection(tau):
+    q, k, _ = structured_prefill(1, 8, 4, 512, 64, seed=2, dtype=torch.float16, device="cpu")
+    params = dict(gamma=0.85, tau=tau, block_size=32, min_budget=64)
+    estimate = estimate_block_mask(q, k, **params)
+    reference = select_blocks(q, k, **params)
+    assert torch.equal(estimate.pattern, reference.pattern)
+    assert torch.equal(estimate.block_mask, reference.block_mask)
+    assert torch.equal(estimate.budgets[..., 0], reference.vertical_blocks)
+    assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5)
+
+
+def test_flexprefill_attention_chains_estimation_and_kernel():
+    q, k, v = structured_prefill(1, 4, 2, 256, 64, seed=4, dtype=torch.float16, device="cpu")
+    out, lse, estimate = flexprefill_attention(q, k, v, gamma=0.9, tau=0.1, block_size=32, min_budget=32,
+                                               return_lse=True, return_estimate=True)
+    selection = select_blocks(q, k, gamma=0.9, tau=0.1, block_size=32, min_budget=32)
+    assert torch.equal(estimate.block_mask, selection.block_mask)
+    ref, ref_lse = sparse_attention(q, k, v, selection.block_mask, 32, return_lse=True)
+    assert relative_error(out, ref).max() < 2e-3
+    assert torch.allclose(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(k_len=96), ValueError, "same length"),
+    (dict(d=96), ValueError, "head dim"),
+    (dict(dtype=torch.float32), TypeError, "float16 or bfloat16"),
+    (dict(causal=False), ValueError, "only causal"),
+    (dict(block_size=48), ValueError, "block_size"),
+    (dict(mask_blocks=3), ValueError, "block_mask must have shape"),
+])
+def test_kernel_rejects_bad_input(change, error, match):
+    d = change.get("d", 64)
+    dtype = change.get("dtype", torch.float16)
+    q = torch.randn(1, 2, 128, d).to(dtype)
+    k = torch.randn(1, 1, change.get("k_len", 128), d).to(dtype)
+    nb = change.get("mask_blocks", 4)
+    mask = torch.ones(1, 2, nb, nb, dtype=torch.bool)
+    with pytest.raises(error, match=match):
+        block_sparse_attention(q, k, k, mask, block_size=change.get("block_size", 32),
+                               causal=change.get("causal", True))
+
+
+@pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5])
+def test_flexprefill_rejects_gamma_outside_unit_interval(gamma):
+    q = torch.randn(1, 2, 64, 64).half()
+    k = torch.randn(1, 1, 64, 64).half()
+    with pytest.raises(ValueError, match=r"gamma must lie in \(0, 1\]"):
+        flexprefill_attention(q, k, k, gamma=gamma, block_size=32)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,hq,hkv,d", [(8192, 32, 8, 128), (8192 + 77, 9, 3, 64)])
+def test_gpu_kernel_matches_reference_bf16(n, hq, hkv, d):
+    q, k, v = structured_prefill(1, hq, hkv, n, d, seed=5, device="cuda")
+    selection = select_blocks(q, k, gamma=0.9, tau=0.1, block_size=128, min_budget=1024)
+    out, lse = block_sparse_attention(q, k, v, selection.block_mask, block_size=128, return_lse=True)
+    ref, ref_lse = sparse_attention(q, k, v, selection.block_mask, 128, return_lse=True)
+    bf16_torch = sparse_attention(q, k, v, selection.block_mask, 128).bfloat16()
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref).max() <= 3 * relative_error(bf16_torch, ref).max() + 1e-4
+    assert (lse - ref_lse).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_estimated_mask_equals_reference():
+    q, k, _ = structured_prefill(1, 32, 8, 16384, 128, seed=6, device="cuda")
+    for gamma in (0.9, 0.95):
+        estimate = estimate_block_mask(q, k, gamma=gamma, tau=0.1, block_size=128, min_budget=1024)
+        reference = select_blocks(q, k, gamma=gamma, tau=0.1, block_size=128, min_budget=1024)
+        assert torch.equal(estimate.pattern, reference.pattern)
+        agreement = (estimate.block_mask == reference.block_mask).float().mean().item()
+        assert agreement > 0.999, agreement
+
+
+@pytest.mark.gpu
+def test_gpu_flexprefill_all_tiles_equals_sdpa():
+    q, k, v = structured_prefill(2, 16, 4, 4096 + 50, 128, seed=7, device="cuda")
+    out = flexprefill_attention(q, k, v, gamma=1.0, min_budget=1 << 20)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    assert relative_error(out, dense).max() < 1e-2
