@@ -67,9 +67,9 @@ class ARTConfig:
     ``ARTConfig.paper()`` the values the paper's secondary summaries report.
     """
 
-    tau: float = 1e-4
-    phi: float = 1e-5
-    patience: int = 8
+    tau: float = 1e-2
+    phi: float = 1e-6
+    patience: int = 16
     min_steps: int = 1
     probe_source: str = "output"
     probe_dims: Union[str, torch.Tensor] = "full"
@@ -322,7 +322,8 @@ class _Evaluator:
             stable &= (relative if rule.scale == "relative" else change) < rule.tau
         if rule.use_direction:
             stable &= direction < rule.phi
-        stable = torch.cat([torch.zeros_like(stable[..., :1]), stable], dim=-1)  # step 0 never counts
+        step0 = torch.zeros(*stable.shape[:-1], 1, dtype=torch.bool, device=stable.device)
+        stable = torch.cat([step0, stable], dim=-1)  # step 0 never counts
         stable &= (self.index >= rule.min_steps) & self.real
         last_unstable = torch.cummax(torch.where(stable, -1, self.index), dim=-1).values
         run_length = self.index - last_unstable

@@ -31,9 +31,9 @@ SCALES = ("relative", "absolute")
 class ARTParams:
     """Monitor settings for `art_decode` (see the module docstring for the exact rule)."""
 
-    tau: float = 1e-4
-    phi: float = 1e-5
-    patience: int = 8
+    tau: float = 1e-2
+    phi: float = 1e-6
+    patience: int = 16
     min_steps: int = 1
     probe_source: str = "output"
     probe_dims: str = "full"

@@ -74,7 +74,7 @@ def test_simulate_command_prints_the_rule_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "Oracle(eps=0.01, head)" in printed and "loaded_fraction" in printed
     rows = json.loads(out.read_text())
-    assert rows[0]["rule"].startswith("ART(tau=0.0001")
+    assert rows[0]["rule"] == ARTConfig().name
     assert all(0 < r["loaded_fraction"] <= 1 for r in rows)
 
 

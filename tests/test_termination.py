@@ -124,6 +124,15 @@ def test_padded_steps_never_count_and_stop_is_clamped_to_the_walk():
     assert result.loaded_fraction.tolist() == [[4 / 6], [1.0]]
 
 
+def test_a_single_block_walk_stops_at_step_zero():
+    cache = synthetic_cache(1, 4, 2, 50, 16)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64)
+    assert trace.partial_out.shape[2] == 1
+    for rule in (ARTConfig(), ARTConfig(patience=1, min_steps=0), Oracle(0.0), MassCoverage(0.5), FixedBudget(3)):
+        result = stop(trace, rule)
+        assert torch.all(result.stop_step == 0) and torch.all(result.loaded_fraction == 1.0)
+
+
 def test_zero_thresholds_never_stop():
     cache = synthetic_cache(2, 4, 2, 2048, 32, preset="peaked")
     for mode in ("exact", "kernel"):

@@ -83,4 +83,5 @@ def _inputs(args):
     cache = synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim, preset=args.synthetic,
                             seed=args.seed)
     seqlens = torch.full((args.batch,), args.seqlen)
-    yield cache.q, cache.k, cache.v, seqlens, cache.q[:, :, None, :], None, None
+    # A synthetic cache is a one-layer model (layer-wise budgets reduce to the uniform one).
+    yield cache.q, cache.k, cache.v, seqlens, cache.q[:, :, None, :], 0, 1
