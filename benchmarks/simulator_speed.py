@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import time
 from pathlib import Path
 
@@ -32,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cache = synthetic_cache(1, 32, 8, args.seqlen, 128, preset="realistic", dtype=torch.bfloat16)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_before = _rss_mib("VmRSS")
+    _reset_peak_rss()
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -41,12 +41,12 @@ def main() -> None:
     start = time.perf_counter()
     result = stop(trace, ARTConfig())
     stop_time = time.perf_counter() - start
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mib = _rss_mib("VmHWM")
     row = dict(date=datetime.date.today().isoformat(), host=platform.node(), cpu_count=os.cpu_count(),
                torch=torch.__version__, torch_threads=torch.get_num_threads(), mode=args.mode,
                shape=dict(B=1, Hq=32, Hkv=8, S=args.seqlen, D=128, block_size=64, dtype="bfloat16"),
                seconds=times, median_seconds=sorted(times)[len(times) // 2], stop_seconds=stop_time,
-               peak_rss_mib=peak_mib, rss_before_mib=rss_before,
+               peak_rss_mib=peak_mib, rss_with_cache_mib=rss_before, peak_above_cache_mib=peak_mib - rss_before,
                mean_loaded_fraction=float(result.loaded_fraction.mean()))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-simulator-cpu.json"
@@ -54,7 +54,21 @@ def main() -> None:
     tmp.write_text(json.dumps(row, indent=2) + "\n")
     tmp.replace(path)
     print(f"{args.mode} mode, S={args.seqlen}: median {row['median_seconds']:.2f} s over {args.repeats} runs, "
-          f"stop() {stop_time:.3f} s, peak RSS {peak_mib:.0f} MiB (cache alone {rss_before:.0f} MiB) -> {path}")
+          f"stop() {stop_time:.3f} s, peak RSS {peak_mib:.0f} MiB (process with the cache loaded: "
+          f"{rss_before:.0f} MiB) -> {path}")
+
+
+def _rss_mib(field: str) -> float:
+    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Reset the peak RSS (VmHWM) so that it measures the simulation, not the cache generation."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 if __name__ == "__main__":
