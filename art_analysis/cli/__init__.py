@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("simulate", "reproduce", "capture")
+COMMANDS = ("simulate", "reproduce", "capture", "bench", "flexprefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
