@@ -377,10 +377,52 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (diff / ref.double().flatten(2).norm(dim=-1).clamp(min=1e-30)).float()
 
 
+@dataclass
+class GammaSweep:
+    """FlexPrefill over a grid of ``gamma`` on one input, against dense causal attention.
+
+    Attributes:
+        gammas: ``[G]``.
+        kept_fraction: ``[G, B, H]`` kept tiles over causal tiles.
+        rel_error: ``[G, B, H]`` ``||out - dense|| / ||dense||`` per head.
+        pattern: ``[B, H]`` (:data:`QUERY_AWARE` / :data:`VERTICAL_SLASH`; depends on ``tau`` only).
+        js_distance: ``[B, H]``.
+    """
+
+    gammas: torch.Tensor
+    kept_fraction: torch.Tensor
+    rel_error: torch.Tensor
+    pattern: torch.Tensor
+    js_distance: torch.Tensor
+
+
+def gamma_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gammas, *, tau: float = 0.1,
+                block_size: int = 128, min_budget: int = 1024, max_budget: int | None = None,
+                sm_scale: float | None = None, **quirks) -> GammaSweep:
+    """Select blocks and run :func:`sparse_attention` for every ``gamma``; compare with dense.
+
+    ``quirks`` are passed to :func:`select_blocks` (``budget_divisor``, ``union_vs_for_query_aware``,
+    ``js_eps``).  Inputs as :func:`select_blocks`; computed in float32.
+    """
+    gammas = torch.as_tensor(list(gammas), dtype=torch.float64)
+    if gammas.numel() == 0:
+        raise ValueError("gammas must hold at least one value")
+    dense = dense_causal_attention(q, k, v, sm_scale=sm_scale)
+    kept, errors, selection = [], [], None
+    for gamma in gammas.tolist():
+        selection = select_blocks(q, k, gamma=gamma, tau=tau, block_size=block_size, min_budget=min_budget,
+                                  max_budget=max_budget, sm_scale=sm_scale, **quirks)
+        out = sparse_attention(q, k, v, selection.block_mask, block_size, sm_scale=sm_scale)
+        kept.append(selection.kept_fraction)
+        errors.append(relative_error(out, dense))
+    return GammaSweep(gammas=gammas, kept_fraction=torch.stack(kept), rel_error=torch.stack(errors),
+                      pattern=selection.pattern, js_distance=selection.js_distance)
+
+
 __all__ = [
     "VERTICAL_SLASH", "QUERY_AWARE", "FlexPrefillSelection", "RepresentativeAttention", "select_blocks",
     "sparse_attention", "dense_causal_attention", "representative_attention", "pattern_search",
     "vertical_slash_mask", "query_aware_mask", "coverage_count", "descending_rank", "js_distance",
     "block_budgets", "block_sum", "block_mean", "block_causal", "relative_error", "check_prefill_inputs",
-    "check_selection_params",
+    "check_selection_params", "GammaSweep", "gamma_sweep",
 ]

@@ -34,10 +34,13 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, offs_m, seqlen, qk
     if MASKED:
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < seqlen)
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(qk - m_safe[:, None])
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
@@ -56,14 +59,14 @@ def block_sparse_attention_kernel(
         stride_nb, stride_nh, stride_nq,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         RETURN_LSE: tl.constexpr):
-    """Grid ``(ceil(N / BLOCK_M), B * Hq)``.
+    """Grid ``(ceil(N / BLOCK_M), B * Hq)``; the last query rows (the longest lists) start first.
 
     Q, O: ``[B, Hq, N, D]``; K, V: ``[B, Hkv, N, D]``; LSE: ``[B, Hq, N]`` float32 (natural log);
     COLS: ``[B, Hq, nb, >= max count]`` int32 ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.
     ``qk_scale`` = softmax scale * log2(e).  BLOCK_M and BLOCK_N divide BLOCK_SIZE.
     """
     SUB_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_q_heads).to(tl.int64)
     h = (pid_bh % num_q_heads).to(tl.int64)

@@ -54,9 +54,11 @@ def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, s
     row_tile, block_n, num_warps = _launch_config(rows, d)
     per_program = max(block_n, keys_per_program // block_n * block_n)
     chunks = triton.cdiv(n, per_program)
-    grid = (chunks, triton.cdiv(rows, row_tile), b * hq)
+    row_groups = triton.cdiv(rows, row_tile)
+    hkv = k.shape[1]
+    grid = (row_groups * (hq // hkv), chunks, b * hkv)
     qk_scale = sm_scale * math.log2(math.e)
-    shared = (qk_scale, n, rows, hq, hq // k.shape[1], per_program, *q.stride(), *k.stride())
+    shared = (qk_scale, n, rows, hkv, hq // hkv, row_groups, per_program, *q.stride(), *k.stride())
 
     row_max = torch.empty(b, hq, chunks, rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
@@ -89,24 +91,85 @@ def _token_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return _pool(x, block_size, 2) / _pool(valid, block_size, 0)[:, None]
 
 
-def _keep_best(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the ``budget[...]`` largest entries along the last dim (ties: lower index first)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    taken = torch.arange(scores.shape[-1], device=scores.device) < budget[..., None]
-    return torch.zeros_like(taken).scatter_(-1, order, taken)
+def _largest(scores: torch.Tensor, count: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the ``count`` largest entries along the last dim, ties taken lowest index first
+    (the prefix of a stable descending sort), given ``kth [..., 1]``, the count-th largest value.
+
+    Needs no argsort: entries above ``kth`` are in, and the tied ones are ranked by a cumsum.
+    """
+    above = scores > kth
+    ties = scores == kth
+    need = count[..., None] - above.sum(dim=-1, keepdim=True)
+    return (above | (ties & (ties.cumsum(dim=-1) <= need))) & (count[..., None] > 0)
 
 
-def _cover(mass: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Fewest largest entries of normalised ``mass [..., n]`` that reach ``gamma`` (capped at n)."""
-    reached = mass.sort(dim=-1, descending=True).values.cumsum(dim=-1) >= gamma
-    first = torch.where(reached.any(dim=-1), reached.int().argmax(dim=-1) + 1, mass.shape[-1])
-    return first
+def _coverage(mass: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fewest largest entries of normalised ``mass [..., n]`` reaching ``gamma`` (capped at n), and
+    the value of the last one ``[..., 1]``."""
+    ordered = mass.sort(dim=-1, descending=True).values
+    count = ((ordered.cumsum(dim=-1) < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1])
+    return count, ordered.gather(-1, count[..., None] - 1)
 
 
 def _grouped_logits(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``rows [B, Hq, M, D]`` x ``keys [B, Hkv, C, D]`` -> ``[B, Hq, M, C]``."""
     b, hq, m, d = rows.shape
     return (rows.view(b, keys.shape[1], -1, d) @ keys.transpose(-1, -2)).view(b, hq, m, keys.shape[2])
+
+
+def vertical_slash_blocks(lines: torch.Tensor, *, gamma: float, block_size: int, lowest: int, highest: int,
+                          divisor: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Vertical-slash tiles from ``lines [B, Hq, 2, N]``.
+
+    Returns the mask ``[B, Hq, nb, nb]`` (not yet causal), the budgets ``[B, Hq, 2]`` (blocks)
+    and the block-pooled lines ``[B, Hq, 2, nb]``.
+    """
+    tokens, _ = _coverage(lines, gamma)
+    budgets = torch.div(tokens + divisor - 1, divisor, rounding_mode="floor").clamp(lowest, highest)
+    pooled = _pool(lines, block_size, 3)
+    kth = pooled.sort(dim=-1, descending=True).values.gather(-1, budgets[..., None] - 1)
+    kept = _largest(pooled, budgets, kth)
+    blocks = torch.arange(pooled.shape[-1], device=lines.device)
+    offsets = (blocks[:, None] - blocks[None, :]).clamp(min=0)
+    return kept[:, :, 0, None, :] | kept[:, :, 1][..., offsets], budgets, pooled
+
+
+def js_pattern_distance(q: torch.Tensor, key_means: torch.Tensor, truth: torch.Tensor, *, rows: int, scale: float,
+                        js_eps: float | None) -> torch.Tensor:
+    """``[B, Hq]`` JS distance between ``softmax(mean(last rows of q) . key_means^T)`` and ``truth [B, Hq, nb]``."""
+    recent_mean = q[:, :, q.shape[2] - rows:].mean(dim=2, keepdim=True, dtype=torch.float32)
+    estimate = torch.softmax(_grouped_logits(recent_mean, key_means)[:, :, 0] * scale, dim=-1)
+    middle = 0.5 * (estimate + truth)
+    if js_eps is None:
+        divergence = (estimate * torch.log(estimate / middle) + truth * torch.log(truth / middle)).sum(dim=-1)
+    else:
+        log_middle = torch.log(middle + js_eps)
+        divergence = (estimate * (torch.log(estimate + js_eps) - log_middle)
+                      + truth * (torch.log(truth + js_eps) - log_middle)).sum(dim=-1)
+    return torch.sqrt((0.5 * divergence).clamp(min=0.0))
+
+
+def query_aware_blocks(q: torch.Tensor, key_means: torch.Tensor, *, gamma: float, block_size: int, scale: float,
+                       lowest: int, highest: int) -> torch.Tensor:
+    """Query-aware tiles ``[B, Hq, nb, nb]`` (causal) from block-mean queries and keys."""
+    nb = key_means.shape[2]
+    blocks = torch.arange(nb, device=q.device)
+    causal = blocks[None, :] <= blocks[:, None]
+    pooled = torch.softmax((_grouped_logits(_token_means(q, block_size), key_means) * scale)
+                           .masked_fill(~causal, float("-inf")), dim=-1)
+    flat = pooled.flatten(-2)
+    flat = flat / flat.sum(dim=-1, keepdim=True)
+    chosen = _largest(flat, *_coverage(flat, gamma)).view_as(pooled)
+
+    def row_best(count: int) -> torch.Tensor:
+        counts = torch.full(pooled.shape[:-1], count, dtype=torch.long, device=q.device)
+        return _largest(pooled, counts, pooled.topk(count, dim=-1).values[..., -1:])
+
+    if highest < nb:
+        chosen = chosen & row_best(highest)
+    if lowest > 0:
+        chosen = chosen | row_best(lowest)
+    return chosen & causal
 
 
 def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: float = 0.1,
@@ -122,46 +185,26 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     """
     check_prefill_inputs(q, k)
     check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps)
-    b, hq, n, d = q.shape
+    n, d = q.shape[2], q.shape[3]
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     nb = -(-n // block_size)
-    divisor = block_size if budget_divisor is None else budget_divisor
     lowest = min(-(-min_budget // block_size), nb)
     highest = nb if max_budget is None else min(-(-max_budget // block_size), nb)
-    blocks = torch.arange(nb, device=q.device)
-    causal = blocks[None, :] <= blocks[:, None]
 
     lines = representative_lines(q, k, block_size=block_size, sm_scale=scale, keys_per_program=keys_per_program)
-    line_blocks = _pool(lines, block_size, 3)
-    budgets = (torch.div(_cover(lines, gamma) + divisor - 1, divisor, rounding_mode="floor")).clamp(lowest, highest)
-    kept_lines = _keep_best(line_blocks, budgets)
-    vertical_slash = kept_lines[:, :, 0, None, :] | kept_lines[:, :, 1][..., (blocks[:, None] - blocks[None, :]).clamp(min=0)]
-
+    vertical_slash, budgets, pooled_lines = vertical_slash_blocks(
+        lines, gamma=gamma, block_size=block_size, lowest=lowest, highest=highest,
+        divisor=block_size if budget_divisor is None else budget_divisor)
     key_means = _token_means(k, block_size)
-    rows = min(block_size, n)
-    recent_mean = q[:, :, n - rows:].mean(dim=2, keepdim=True, dtype=torch.float32)
-    estimate = torch.softmax(_grouped_logits(recent_mean, key_means)[:, :, 0] * scale, dim=-1)
-    truth = line_blocks[:, :, 0]
-    middle = 0.5 * (estimate + truth)
-    if js_eps is None:
-        divergence = (estimate * torch.log(estimate / middle) + truth * torch.log(truth / middle)).sum(dim=-1)
-    else:
-        log_middle = torch.log(middle + js_eps)
-        divergence = (estimate * (torch.log(estimate + js_eps) - log_middle)
-                      + truth * (torch.log(truth + js_eps) - log_middle)).sum(dim=-1)
-    js = torch.sqrt((0.5 * divergence).clamp(min=0.0))
+    js = js_pattern_distance(q, key_means, pooled_lines[:, :, 0], rows=min(block_size, n), scale=scale,
+                             js_eps=js_eps)
     query_aware = js < tau
-
-    pooled = torch.softmax((_grouped_logits(_token_means(q, block_size), key_means) * scale)
-                           .masked_fill(~causal, float("-inf")), dim=-1)
-    flat = pooled.flatten(-2) / pooled.flatten(-2).sum(dim=-1, keepdim=True)
-    chosen = _keep_best(flat, _cover(flat, gamma)).view_as(pooled)
-    order = pooled.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, blocks.expand_as(order))
-    aware = (chosen & (rank < highest)) | (rank < lowest)
+    aware = query_aware_blocks(q, key_means, gamma=gamma, block_size=block_size, scale=scale, lowest=lowest,
+                               highest=highest)
     if union_vs_for_query_aware:
         aware = aware | vertical_slash
-    forced = (blocks[None, :] == 0) | (blocks[None, :] == blocks[:, None])
-    mask = (torch.where(query_aware[..., None, None], aware, vertical_slash) | forced) & causal
+    blocks = torch.arange(nb, device=q.device)
+    keep = (blocks[None, :] == 0) | (blocks[None, :] == blocks[:, None])
+    mask = (torch.where(query_aware[..., None, None], aware, vertical_slash) | keep) & (blocks[None, :] <= blocks[:, None])
     return FlexPrefillEstimate(block_mask=mask, pattern=query_aware.long(), js_distance=js, budgets=budgets,
                                lines=lines)

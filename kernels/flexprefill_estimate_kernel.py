@@ -12,7 +12,9 @@ passes over the keys keep everything in registers:
    a shear of the tile: ``G[r, e] = P[r, r + BLOCK_N - 1 - e]`` (``tl.gather``), whose column
    ``e`` holds distance ``d_base + e``.
 
-Grid of both: ``(ceil(N / keys_per_program), ceil(R / ROWS), B * Hq)``.  The readable
+Grid of both: ``(row_groups * group, ceil(N / keys_per_program), B * Hkv)`` with
+``row_groups = ceil(R / ROWS)``: the programs that read the same key chunk (all row groups of
+all query heads of one KV head) are launched next to each other, so K is read from L2.  The readable
 reference is ``art_analysis.flexprefill.representative_attention``.
 """
 import triton
@@ -40,23 +42,30 @@ def _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stri
 
 
 @triton.jit
+def _program_coords(num_kv_heads, group, row_groups, ROWS: tl.constexpr):
+    """(batch, query head, KV head, key chunk, first representative row) of this program."""
+    pid_rg = tl.program_id(0)
+    pid_bkv = tl.program_id(2)
+    b = (pid_bkv // num_kv_heads).to(tl.int64)
+    kv_h = (pid_bkv % num_kv_heads).to(tl.int64)
+    h = kv_h * group + pid_rg // row_groups
+    return b, h, kv_h, tl.program_id(1), (pid_rg % row_groups) * ROWS
+
+
+@triton.jit
 def representative_row_stats_kernel(
-        Q, K, MAX, SUM, qk_scale, seqlen, rows, num_q_heads, group, keys_per_program,
+        Q, K, MAX, SUM, qk_scale, seqlen, rows, num_kv_heads, group, row_groups, keys_per_program,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_sb, stride_sh, stride_sc, stride_sr,
         HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """MAX, SUM: ``[B, Hq, num_chunks, R]`` float32, base-2 running max and ``sum exp2(s - max)``."""
-    pid_c = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = (pid_bh % num_q_heads).to(tl.int64)
-    offs_r = pid_r * ROWS + tl.arange(0, ROWS)
+    b, h, kv_h, pid_c, row_start = _program_coords(num_kv_heads, group, row_groups, ROWS)
+    offs_r = row_start + tl.arange(0, ROWS)
     row_ok = offs_r < rows
     positions = (seqlen - rows + offs_r).to(tl.int64)
     q = _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM)
-    k_base = K + b * stride_kb + (h // group) * stride_kh
+    k_base = K + b * stride_kb + kv_h * stride_kh
 
     start = pid_c.to(tl.int64) * keys_per_program
     end = tl.minimum(start + keys_per_program, seqlen)
@@ -76,7 +85,7 @@ def representative_row_stats_kernel(
 
 @triton.jit
 def representative_line_sums_kernel(
-        Q, K, LSE2, VERTICAL, SLASH, qk_scale, seqlen, rows, num_q_heads, group, keys_per_program,
+        Q, K, LSE2, VERTICAL, SLASH, qk_scale, seqlen, rows, num_kv_heads, group, row_groups, keys_per_program,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_lb, stride_lh, stride_lr,
@@ -85,16 +94,12 @@ def representative_line_sums_kernel(
     """LSE2: ``[B, Hq, R]`` base-2 row log-sum-exp.  VERTICAL, SLASH: ``[B, Hq, N]`` float32,
     zero-initialised, same strides; receive un-normalised column and distance sums."""
     SHEAR: tl.constexpr = ROWS + BLOCK_N
-    pid_c = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = (pid_bh % num_q_heads).to(tl.int64)
-    offs_r = pid_r * ROWS + tl.arange(0, ROWS)
+    b, h, kv_h, pid_c, row_start = _program_coords(num_kv_heads, group, row_groups, ROWS)
+    offs_r = row_start + tl.arange(0, ROWS)
     row_ok = offs_r < rows
     positions = (seqlen - rows + offs_r).to(tl.int64)
     q = _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM)
-    k_base = K + b * stride_kb + (h // group) * stride_kh
+    k_base = K + b * stride_kb + kv_h * stride_kh
     lse2 = tl.load(LSE2 + b * stride_lb + h * stride_lh + offs_r * stride_lr, mask=row_ok, other=0.0)
     line_base = b * stride_vb + h * stride_vh
 
@@ -103,7 +108,7 @@ def representative_line_sums_kernel(
     source = local[:, None] + (BLOCK_N - 1) - offs_e[None, :]
     in_tile = (source >= 0) & (source < BLOCK_N)
     source = tl.where(in_tile, source, 0)
-    first_position = seqlen - rows + pid_r * ROWS
+    first_position = seqlen - rows + row_start
 
     start = pid_c.to(tl.int64) * keys_per_program
     end = tl.minimum(start + keys_per_program, seqlen)

@@ -81,10 +81,12 @@ def test_estimation_lines_match_reference():
     assert torch.allclose(lines.sum(-1), torch.ones(2, 4, 2), atol=1e-5)
 
 
-@pytest.mark.parametrize("tau", [0.0, 0.15, 1.0])
-def test_estimated_mask_equals_reference_selection(tau):
+@pytest.mark.parametrize("tau,max_budget,union", [(0.0, None, False), (0.15, None, False), (1.0, None, False),
+                                                  (1.0, 160, False), (0.15, 96, True)])
+def test_estimated_mask_equals_reference_selection(tau, max_budget, union):
     q, k, _ = structured_prefill(1, 8, 4, 512, 64, seed=2, dtype=torch.float16, device="cpu")
-    params = dict(gamma=0.85, tau=tau, block_size=32, min_budget=64)
+    params = dict(gamma=0.85, tau=tau, block_size=32, min_budget=64, max_budget=max_budget,
+                  union_vs_for_query_aware=union)
     estimate = estimate_block_mask(q, k, **params)
     reference = select_blocks(q, k, **params)
     assert torch.equal(estimate.pattern, reference.pattern)

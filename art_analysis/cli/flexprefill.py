@@ -1,0 +1,133 @@
+"""`art-analysis flexprefill`: FlexPrefill's patterns, kept tiles and error against gamma; figures.
+
+On a capture with recorded prefill queries (``art-analysis capture --prefill-layers ...``) every
+recorded layer is analysed; otherwise a synthetic prefill with sink, local, heavy-hitter and
+topic-block heads.  The latency figure is drawn from a GPU benchmark JSON
+(``kernels.bench_flexprefill``), the newest in ``benchmarks/results`` unless ``--bench-json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..flexprefill import QUERY_AWARE, gamma_sweep
+from ..table import format_table
+
+COLUMNS = ("input", "gamma", "kept_fraction", "rel_error", "query_aware_heads")
+FORMATS = {"gamma": ".3f", "kept_fraction": ".3f", "rel_error": ".4f", "query_aware_heads": ".2f"}
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("flexprefill", help="FlexPrefill block selection: patterns, kept tiles, error",
+                                   description=__doc__)
+    source = parser.add_argument_group("input (a capture with prefill queries, or a synthetic prefill)")
+    source.add_argument("--capture", type=Path, help="a capture folder holding prefill queries")
+    source.add_argument("--layers", type=_int_list, default=None, help="capture layers (default: all recorded)")
+    source.add_argument("--heads", default="8/4", help="query/KV heads of the synthetic prefill")
+    source.add_argument("--seqlen", type=int, default=4096, help="tokens of the synthetic prefill")
+    source.add_argument("--head-dim", type=int, default=64)
+    source.add_argument("--seed", type=int, default=0)
+    method = parser.add_argument_group("FlexPrefill")
+    method.add_argument("--gammas", type=_float_list, default=[0.8, 0.85, 0.9, 0.95, 0.99])
+    method.add_argument("--tau", type=float, default=0.1)
+    method.add_argument("--block-size", type=int, default=64)
+    method.add_argument("--min-budget", type=int, default=256, help="tokens")
+    method.add_argument("--max-budget", type=int, default=None, help="tokens")
+    method.add_argument("--budget-divisor", type=int, default=None,
+                        help="tokens per block in the budget conversion (upstream: 128); default block size")
+    method.add_argument("--union-vs-for-query-aware", action="store_true",
+                        help="upstream quirk: union query-aware sets with the vertical-slash set")
+    method.add_argument("--no-js-eps", action="store_true", help="upstream quirk: no epsilon in the JS logs")
+    parser.add_argument("--bench-json", type=Path, default=None, help="GPU benchmark JSON for the latency figure")
+    parser.add_argument("--out", type=Path, default=Path("figures"), help="folder for the figures")
+    parser.add_argument("--json", type=Path, help="also write the table rows as JSON here")
+    parser.set_defaults(func=run)
+
+
+def _inputs(args):
+    """Yield ``(label, q [B,Hq,N,D], k, v [B,Hkv,N,D])``."""
+    if args.capture is not None:
+        from ..capture import KVCapture
+
+        capture = KVCapture.load(args.capture)
+        recorded = capture.prefill_layers
+        if not recorded:
+            raise ValueError(f"{args.capture} holds no prefill queries; capture with --prefill-layers")
+        layers = recorded if args.layers is None else args.layers
+        missing = sorted(set(layers) - set(recorded))
+        if missing:
+            raise ValueError(f"layers {missing} have no prefill queries; recorded: {list(recorded)}")
+        for layer in layers:
+            q = capture.prefill_queries(layer).float()
+            _, k, v = capture.layer(layer)
+            n = q.shape[2]
+            yield f"layer {layer}", q, k[:, :, :n].float(), v[:, :, :n].float()
+        return
+    from kernels.bench_flexprefill import structured_prefill
+
+    try:
+        q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        raise ValueError(f"--heads must look like 8/4 (query/KV heads), got {args.heads!r}") from None
+    q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
+                                 dtype=torch.float32, device="cpu")
+    yield "synthetic", q, k, v
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plots.flexprefill import (latest_benchmark, plot_error_vs_gamma, plot_kept_vs_gamma,
+                                     plot_latency_vs_gamma, plot_patterns)
+
+    quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}
+    if args.no_js_eps:
+        quirks["js_eps"] = None
+    rows, labels, js, aware, kept_curves, error_curves = [], [], [], [], {}, {}
+    for label, q, k, v in _inputs(args):
+        sweep = gamma_sweep(q, k, v, args.gammas, tau=args.tau, block_size=args.block_size,
+                            min_budget=args.min_budget, max_budget=args.max_budget, **quirks)
+        query_aware = sweep.pattern == QUERY_AWARE
+        labels.append(label)
+        js.append(sweep.js_distance.mean(dim=0))
+        aware.append(query_aware.float().mean(dim=0) >= 0.5)
+        kept_curves[label] = (sweep.gammas, sweep.kept_fraction.mean(dim=(1, 2)))
+        error_curves[label] = (sweep.gammas, sweep.rel_error.mean(dim=(1, 2)))
+        for g, gamma in enumerate(sweep.gammas.tolist()):
+            rows.append({"input": label, "gamma": gamma, "kept_fraction": float(sweep.kept_fraction[g].mean()),
+                         "rel_error": float(sweep.rel_error[g].mean()),
+                         "query_aware_heads": float(query_aware.float().mean())})
+    print(format_table(rows, COLUMNS, FORMATS))
+    out = args.out
+    print(plot_patterns(torch.stack(js), torch.stack(aware), labels, args.tau, out / "flexprefill_patterns.png"))
+    print(plot_kept_vs_gamma(kept_curves, out / "flexprefill_kept_vs_gamma.png"))
+    print(plot_error_vs_gamma(error_curves, out / "flexprefill_error_vs_gamma.png"))
+    bench = args.bench_json or latest_benchmark()
+    if bench is not None:
+        if not Path(bench).is_file():
+            raise FileNotFoundError(f"benchmark JSON {bench} does not exist")
+        print(plot_latency_vs_gamma(json.loads(Path(bench).read_text())["rows"],
+                                    out / "flexprefill_latency_vs_gamma.png"))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump(rows, tmp, indent=2)
+        os.replace(tmp.name, args.json)
+    return 0
