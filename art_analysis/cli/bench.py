@@ -1,0 +1,49 @@
+"""`art-analysis bench`: GPU speed benchmarks (decode: the ART kernel vs dense peers; FlexPrefill)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+from .art_options import add_art_options, art_config_from_args
+
+SUITES = ("decode", "flexprefill", "all")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="GPU speed benchmarks (decode kernel, FlexPrefill)",
+                                   description=__doc__)
+    parser.add_argument("--suite", choices=SUITES, default="decode")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON results")
+    parser.add_argument("--figure", type=Path, default=Path("figures/kernel_speed.png"),
+                        help="decode speed figure")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--capture", type=Path, default=None,
+                        help="decode: a captured layer (safetensors k, v, decode_q) to benchmark tiled to length")
+    add_art_options(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.capture is not None and not args.capture.is_file():
+        raise FileNotFoundError(f"--capture {args.capture} is not a file")
+    summaries = {}
+    if args.suite in ("decode", "all"):
+        from kernels.bench import run as run_decode
+
+        from ..plots.kernel_speed import plot_kernel_speed
+        from ..synthetic import synthetic_cache
+
+        payload = run_decode(args.out, args.quick, art=art_config_from_args(args).kernel_params(),
+                             make_cache=synthetic_cache, capture=args.capture)
+        plot_kernel_speed(payload, args.figure)
+        summaries["decode"] = payload["summary"]
+    if args.suite in ("flexprefill", "all"):
+        if importlib.util.find_spec("kernels.bench_flexprefill") is None:
+            raise ImportError("the flexprefill suite needs kernels/bench_flexprefill.py")
+        from kernels.bench_flexprefill import run as run_flexprefill
+
+        summaries["flexprefill"] = run_flexprefill(args.out, args.quick)["summary"]
+    print(json.dumps(summaries, indent=1))
+    return 0

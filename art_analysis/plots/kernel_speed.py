@@ -1,0 +1,72 @@
+"""Decode kernel speed on the GPU: KV throughput per implementation, and ART's time against its loaded fraction.
+
+Reads the JSON written by :func:`kernels.bench.run` (``benchmarks/results/<date>-art-decode.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from .figure_io import save_figure
+
+IMPL_STYLES = {
+    "cudnn_sdpa": dict(color="tab:blue", marker="o", label="cuDNN SDPA"),
+    "flash_sdpa": dict(color="tab:orange", marker="s", label="flash SDPA"),
+    "flex_attention": dict(color="tab:purple", marker="v", label="FlexAttention"),
+    "art_dense": dict(color="black", marker="^", label="ART kernel, dense"),
+    "art_never": dict(color="tab:gray", marker="x", linestyle="--", label="ART, never stops (tau=phi=0)"),
+    "art": dict(color="tab:green", marker="D", label="ART, terminating"),
+}
+
+
+def plot_kernel_speed(results: dict, path: str | Path) -> Path:
+    """One throughput panel per sequence length (synthetic 32/8 heads, D=128) plus a panel of
+    ART time / dense time against the loaded fraction, with the target ``1.15 x fraction``."""
+    rows = [r for r in results["rows"] if "ms" in r]
+    synthetic = [r for r in rows if r["data"] == "synthetic"]
+    lengths = sorted({r["seqlen"] for r in synthetic})
+    fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(4.2 * (len(lengths) + 1), 3.8), squeeze=False)
+    axes = axes[0]
+    ceiling = results["copy_ceiling_tb_per_s"]
+    for ax, seqlen in zip(axes, lengths):
+        for impl, style in IMPL_STYLES.items():
+            sub = sorted((r for r in synthetic if r["seqlen"] == seqlen and r["impl"] == impl), key=lambda r: r["batch"])
+            if sub:
+                ax.plot([r["batch"] for r in sub], [r["tb_per_s"] for r in sub], **style)
+        ax.axhline(ceiling, color="red", linewidth=0.8, linestyle=":", label=f"copy ceiling {ceiling:.2f} TB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("KV TB/s (bytes of the whole cache / time)")
+        ax.set_title(f"S = {seqlen // 1024}k, Hq/Hkv = 32/8, D = 128, bf16")
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    dense = {(r["data"], r["batch"], r["seqlen"]): r["ms"] for r in rows if r["impl"] == "art_dense"}
+    for data, marker in (("synthetic", "D"), ("smollm2_layer15_tiled", "o")):
+        sub = [r for r in rows if r["impl"] == "art" and r["data"] == data and (data, r["batch"], r["seqlen"]) in dense]
+        if sub:
+            ax.scatter([r["loaded_fraction"] for r in sub],
+                       [r["ms"] / dense[(data, r["batch"], r["seqlen"])] for r in sub], marker=marker, label=data)
+    ax.plot([0, 1], [0, 1.15], color="red", linewidth=0.8, linestyle=":", label="target 1.15 x fraction")
+    ax.set_xlabel("loaded fraction of the KV blocks")
+    ax.set_ylabel("ART time / dense time")
+    ax.set_title("ART: time against traffic")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"{results['device']}: decode attention (do_bench medians, {results['date'][:10]})")
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="?", help="benchmark JSON (default: the newest *-art-decode.json)")
+    parser.add_argument("--out", type=Path, default=Path("figures/kernel_speed.png"))
+    args = parser.parse_args(argv)
+    path = args.results or max(Path("benchmarks/results").glob("*-art-decode.json"))
+    print(plot_kernel_speed(json.loads(path.read_text()), args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""ART flash-decoding: the launcher of ``art_decode_split_kernel`` and its split-K combine.
+
+``art_decode(q, k_cache, v_cache, ...)`` computes decode attention for one new token per
+sequence over a contiguous (``[B, Hkv, S, D]``) or paged (``[num_pages, page_size, Hkv, D]`` +
+``block_table [B, max_pages]``) KV cache with ragged ``cache_seqlens``, walking each
+``(b, kv_head)``'s KV blocks in a traversal order (``sequential`` or ``sink_recency``).  With
+``art=ARTParams(...)`` the ART monitor runs after every block (rule: ``kernels.art_params``;
+reference: the simulator ``art_analysis.blockwise`` in ``mode="kernel"`` evaluated by
+``art_analysis.termination.stop`` with ``group="all"``) and the walk ends once every query
+head of the group is done: no further K/V loads are issued.  ``art=None`` compiles the
+monitor out (the dense baseline).
+
+**Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
+``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a
+log-sum-exp merge.  Split 0, the *leader*, holds the head of the order (the sink and the
+newest blocks) and is the only one that runs the monitor, on exactly the state a
+single-split kernel would hold, so its stop step is the simulator's.  When it stops it
+raises a per-``(b, kv_head)`` *converged* flag in global memory; the *followers* (splits
+``1..``) poll the flag between chunks of ``ART_CHUNK`` blocks and exit, and the combine
+keeps the leader alone, so the output is the simulator's truncated output whatever the
+timing (deterministic).  If the leader reaches the end of its range without converging, the
+followers have covered the rest and the combine merges everything: the dense output
+(reported as a walk of all ``N`` steps).  Every program's loaded-block count is returned
+with ``return_stats``.
+
+Why this shape: with ``P`` programs per ``(b, kv_head)`` walking at the same speed, the
+dense walk ends after ``N / P`` block times, while any monitor needs ``T`` sequential block
+times to see convergence at step ``T``; the time floor is ``min(T, N / P)`` and the leader
+scheme attains it (followers that would restart from scratch could never stop).  The
+followers' blocks read before they see the flag are wasted traffic (at most about
+``(P - 1) T`` blocks), so at small batch ART mode caps the split count to keep the leader's
+range at least ``ART_MIN_LEADER_STEPS`` blocks long (termination stays possible there) and,
+at large batch, where one split already fills the GPU, nothing is wasted.  The measured
+trade (loaded fraction and time against a single split) is in
+``benchmarks/NOTES-art-decode.md``.
+
+**Split count** (``num_splits=None``): from the real lengths (``max(cache_seqlens)``, one
+device sync when lengths are given), enough programs for ``TARGET_PROGRAMS_PER_SM`` per
+multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per split, at most ``MAX_SPLITS``.
+
+Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
+the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
+sum in a different order than PyTorch's, so a probe that lands within rounding of a
+threshold can flip a stable/unstable decision (tests report the count of such stop steps).
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+import triton
+
+from .art_decode_combine import art_decode_combine_kernel
+from .art_decode_kernel import art_decode_split_kernel
+from .art_params import ARTParams
+
+ORDERS = ("sequential", "sink_recency")
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_SIZES = (16, 32, 64, 128)
+DEFAULT_BLOCK_SIZE = 64
+MAX_GROUP = 128
+TARGET_PROGRAMS_PER_SM = 16
+MIN_STEPS_PER_SPLIT = 4
+MAX_SPLITS = 128
+ART_MIN_LEADER_STEPS = 32
+ART_CHUNK = 8
+COMBINE_CHUNK = 16
+
+
+def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+               cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+               sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
+               block_size: int | None = None, num_splits: int | None = None, return_lse: bool = False,
+               return_stats: bool = False):
+    """Decode attention with optional ART termination.
+
+    Args:
+        q: ``[B, Hq, D]`` one query per sequence (fp16, bf16 or fp32), ``D`` in ``HEAD_DIMS``.
+        k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages, page_size, Hkv, D]``
+            when ``block_table`` is given; same dtype and device as ``q``, unit stride in ``D``.
+        cache_seqlens: ``[B]`` int32/int64 valid tokens per sequence, ``1 <= len <= capacity``
+            (default: the capacity, ``S`` or ``max_pages * page_size``).
+        block_table: ``[B, max_pages]`` int32/int64 page ids of each sequence (paged layout).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        art: monitor settings, or ``None`` for dense attention.
+        order: ``"sequential"`` or ``"sink_recency"`` block traversal.
+        block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default 64.
+        num_splits: programs per ``(b, kv_head)``; default from the heuristic above.
+        return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
+            the scaled scores over the visited blocks).
+        return_stats: also return ``steps [B, Hkv, splits]`` (int32): KV blocks loaded per program.
+
+    Returns:
+        ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse`` and ``steps`` when requested.
+    """
+    batch, q_heads, head_dim = _check_tensors(q, k_cache, v_cache, block_table)
+    paged = block_table is not None
+    kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"Hq % Hkv must be 0 (query head h reads KV head h // (Hq // Hkv)); "
+                         f"got Hq={q_heads}, Hkv={kv_heads}")
+    group = q_heads // kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head are supported, got {group}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS} in the kernel, got {order!r}")
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if art is not None and not isinstance(art, ARTParams):
+        raise TypeError(f"art must be kernels.art_params.ARTParams or None, got {type(art).__name__} "
+                        "(ARTConfig.kernel_params() converts)")
+    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
+    seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device)
+    if paged:
+        _check_block_table(block_table, seqlens, k_cache.shape[1], k_cache.shape[0])
+    max_steps = -(-max_len // block_size)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None)
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+    out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
+    lse = _scratch((batch, q_heads), torch.float32, q.device)
+    steps = _scratch((batch, kv_heads, num_splits), torch.int32, q.device)
+    single = num_splits == 1
+    if single:
+        part_out, part_lse, flag = out, lse, steps
+    else:
+        part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
+        part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
+        flag = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+    monitor = art if art is not None else ARTParams()
+    table = block_table if paged else seqlens
+    if paged:
+        strides_k = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
+        strides_v = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+    else:
+        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    num_warps, num_stages = _launch_config(q.device)
+    art_decode_split_kernel[(num_splits, batch * kv_heads)](
+        q, k_cache, v_cache, table, seqlens,
+        out, lse, part_out, part_lse, steps, flag,
+        float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
+        max(1, int(monitor.min_steps)),
+        kv_heads, num_splits, k_cache.shape[1] if paged else 1,
+        q.stride(0), q.stride(1), *strides_k, *strides_v,
+        table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_size, HEAD_DIM=head_dim,
+        PAGED=paged, SINK_RECENCY=order == "sink_recency", SINGLE_SPLIT=single,
+        ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
+        PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
+        USE_SCALE=monitor.use_scale, USE_DIRECTION=monitor.use_direction, ART_CHUNK=ART_CHUNK,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    if not single:
+        art_decode_combine_kernel[(batch * q_heads,)](
+            part_out, part_lse, flag, out, lse, q_heads, num_splits, out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            CHUNK_S=COMBINE_CHUNK, USE_FLAG=art is not None, num_warps=4)
+    results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
+    return results[0] if len(results) == 1 else results
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool) -> int:
+    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (see the module docstring)."""
+    wanted = -(-TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_heads))
+    limit = max(1, max_steps // (ART_MIN_LEADER_STEPS if art else MIN_STEPS_PER_SPLIT))
+    return max(1, min(wanted, limit, MAX_SPLITS))
+
+
+def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised kernel output (every element is written by the kernels)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+@lru_cache(maxsize=None)
+def _launch_config(device: torch.device) -> tuple[int, int]:
+    """``(num_warps, num_stages)``: deeper K/V pipelining on Hopper and newer."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return 4, 3
+    return 4, 2
+
+
+def _check_tensors(q, k_cache, v_cache, block_table):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    layout = "[num_pages, page_size, Hkv, D]" if block_table is not None else "[B, Hkv, S, D]"
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be {layout}, got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    devices = {q.device, k_cache.device, v_cache.device}
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+        devices.add(block_table.device)
+    if len(devices) != 1:
+        raise ValueError(f"q, k_cache, v_cache (and block_table) must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"art_decode runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1), got {q.device}")
+    batch, q_heads, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {HEAD_DIMS}, got {head_dim}")
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"head dim mismatch: q has D={head_dim}, k_cache and v_cache have D={k_cache.shape[-1]}")
+    if block_table is None and k_cache.shape[0] != batch:
+        raise ValueError(f"contiguous k_cache must be [B, Hkv, S, D] with B={batch}, got {tuple(k_cache.shape)} "
+                         "(pass block_table for the paged layout)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in the head dim, got strides {t.stride()}")
+    if block_table is not None:
+        if block_table.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be [B={batch}, max_pages], got shape {tuple(block_table.shape)}")
+        if block_table.stride(1) != 1:
+            raise ValueError("block_table must have unit stride along pages")
+    return batch, q_heads, head_dim
+
+
+def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
+    """``(seqlens [B] int32 on device, max length)``; validates ``1 <= len <= capacity`` (one sync)."""
+    if cache_seqlens is None:
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device), capacity
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor [B], got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens must be int32 or int64, got {cache_seqlens.dtype}")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens must be on {device}, got {cache_seqlens.device}")
+    low, high = torch.stack(torch.aminmax(cache_seqlens)).tolist()
+    if low < 1:
+        raise ValueError(f"cache_seqlens must be >= 1, got a length of {low}")
+    if high > capacity:
+        raise ValueError(f"cache_seqlens holds a length of {high} beyond the capacity of {capacity} tokens "
+                         f"({capacity_name})")
+    return cache_seqlens.to(torch.int32).contiguous(), high
+
+
+def _check_block_table(block_table, seqlens, page_size, num_pages):
+    """Every page a sequence uses must be a valid page id (one sync)."""
+    pages_used = (seqlens.to(torch.int64) + page_size - 1) // page_size
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, p = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, {num_pages})")

@@ -1,0 +1,207 @@
+"""Triton split-K flash-decoding kernel with the ART monitor inside the KV loop.
+
+One program serves one ``(b, kv_head, split)``: the query heads of the KV head are packed
+into the ``BLOCK_H`` rows of one ``tl.dot`` tile, so every K/V block is loaded once for the
+whole GQA group.  A split walks a contiguous range of the traversal *steps* (positions in
+the order, not token ranges), so split 0 holds the head of the order: the sink and the
+newest blocks under ``sink_recency``.
+
+Per step ``t`` the block ``j(t)`` (``t`` for ``sequential``; ``0`` then ``nb - t`` for
+``sink_recency``) is attended with the FlashAttention-2 online recurrence, written exactly
+as the simulator's ``mode="kernel"`` replay (``art_analysis.blockwise``)::
+
+    s = (q @ k_blk^T) * sm_scale        (fp32, invalid tokens -inf)
+    m_new = max(m, max s); alpha = exp(m - m_new); p = exp(s - m_new)
+    l = alpha l + sum p;  acc = alpha acc + p.to(v.dtype) @ v_blk
+
+With ``ART`` the leader split (split 0) evaluates the monitor of ``kernels.art_params``
+after every step and latches a per-head *done* bit; once every head of the group is done
+the program issues no further K/V loads (the rest of its current chunk of ``ART_CHUNK``
+steps runs fully masked, then the loop exits), and it raises the ``(b, kv_head)``
+*converged* flag in global memory.  Follower splits poll that flag between chunks and stop
+too; the combine then ignores them (see ``kernels.art_decode``).
+
+Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
+``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
+``part_out [B, Hq, splits, D]`` and ``part_lse [B, Hq, splits]`` (fp32; ``-inf`` and zeros for
+an empty range).  Every program writes ``steps [B, Hkv, splits]`` (int32): the blocks it
+loaded.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _block_rows(step, num_blocks, b, kv_head, limit, table_ptr, stride_table_b, page_size,
+                stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
+    """Token validity ``[BLOCK_N]`` (positions below ``limit``) and int64 row offsets of K and V for step ``step``.
+
+    ``limit`` is the sequence length, or 0 once the walk has stopped (every load masked off).
+    """
+    if SINK_RECENCY:
+        block = tl.where(step == 0, 0, num_blocks - step)
+    else:
+        block = step
+    pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = pos < limit
+    if PAGED:
+        page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // page_size, mask=valid, other=0)
+        page = page.to(tl.int64)
+        slot = pos % page_size
+        k_rows = page * stride_k0 + slot * stride_kt + kv_head * stride_kh
+        v_rows = page * stride_v0 + slot * stride_vt + kv_head * stride_vh
+    else:
+        k_rows = b.to(tl.int64) * stride_k0 + kv_head * stride_kh + pos * stride_kt
+        v_rows = b.to(tl.int64) * stride_v0 + kv_head * stride_vh + pos * stride_vt
+    return valid, k_rows, v_rows
+
+
+@triton.jit
+def _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax: returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``."""
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_new = alpha * l + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_new, acc_new
+
+
+@triton.jit
+def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, first_counted,
+                  tau, phi, patience, probe_mask,
+                  PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                  USE_DIRECTION: tl.constexpr):
+    """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head."""
+    if PROBE_OUTPUT:
+        x_new = tl.math.div_rn(acc_new, l_new[:, None])
+        x_old = tl.math.div_rn(acc_old, tl.maximum(l_old, 1e-30)[:, None])
+    else:
+        x_new = acc_new
+        x_old = acc_old
+    norm = tl.sqrt_rn(tl.sum(tl.where(probe_mask, x_new * x_new, 0.0), 1))
+    dot = tl.sum(tl.where(probe_mask, x_new * x_old, 0.0), 1)
+    stable = step >= first_counted
+    if USE_SCALE:
+        d_scale = tl.abs(norm - norm_old)
+        if RELATIVE:
+            d_scale = tl.math.div_rn(d_scale, tl.maximum(norm_old, 1e-30))
+        stable = stable & (d_scale < tau)
+    if USE_DIRECTION:
+        d_dir = 1.0 - tl.math.div_rn(dot, tl.maximum(norm * norm_old, 1e-30))
+        stable = stable & (d_dir < phi)
+    count = tl.where(stable, count + 1, 0)
+    done = done | (count >= patience).to(tl.int32)
+    return norm, count, done
+
+
+@triton.jit
+def art_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr,
+        sm_scale, tau, phi, patience, first_counted,
+        num_kv_heads, num_splits, page_size,
+        stride_qb, stride_qh,
+        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+        stride_table_b, stride_ob, stride_oh,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PAGED: tl.constexpr, SINK_RECENCY: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+        ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
+        USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    kv_head = bh % num_kv_heads
+    seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
+    num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    steps_per_split = tl.cdiv(num_blocks, num_splits)
+    start = split * steps_per_split
+    end = tl.minimum(start + steps_per_split, num_blocks)
+
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < GROUP
+    heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    visited = start * 0
+
+    if ART:
+        if PROBE_MMA:
+            probe_dim = (dims % 8) <= 1
+        else:
+            probe_dim = dims >= 0
+        probe_mask = probe_dim[None, :] & (rows[:, None] >= 0)
+        is_leader = split == 0
+        norm = tl.zeros([BLOCK_H], tl.float32)
+        count = tl.zeros([BLOCK_H], tl.int32)
+        done = tl.zeros([BLOCK_H], tl.int32)
+        group_done = start * 0
+        step = start
+        if SINGLE_SPLIT:
+            converged = 0
+        else:
+            converged = tl.load(flag_ptr + bh, volatile=True)
+        go = (step < end) & (converged == 0)
+        while go:
+            chunk_end = tl.minimum(step + ART_CHUNK, end)
+            for t in tl.range(step, chunk_end):
+                active = group_done == 0
+                valid, k_rows, v_rows = _block_rows(
+                    t, num_blocks, b, kv_head, tl.where(active, seqlen, 0), table_ptr, stride_table_b,
+                    page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                    BLOCK_N, SINK_RECENCY, PAGED)
+                m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows,
+                                                      sm_scale, HEAD_DIM, DOT_PRECISION)
+                norm_new, count_new, done_new = _probe_update(
+                    acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
+                    probe_mask, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)
+                norm = tl.where(active, norm_new, norm)
+                count = tl.where(active, count_new, count)
+                done = tl.where(active & is_leader, done_new, done)
+                visited += active.to(visited.dtype)
+                group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
+                m, l, acc = m_new, l_new, acc_new
+            step = chunk_end
+            if not SINGLE_SPLIT:
+                tl.store(flag_ptr + bh, 1, mask=tl.where(is_leader, group_done, 0) != 0)
+                converged = tl.load(flag_ptr + bh, volatile=True)
+            go = (step < end) & (group_done == 0) & (converged == 0)
+    else:
+        for t in tl.range(start, end):
+            valid, k_rows, v_rows = _block_rows(
+                t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+                stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                BLOCK_N, SINK_RECENCY, PAGED)
+            m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
+                                      HEAD_DIM, DOT_PRECISION)
+        visited = tl.maximum(end - start, 0)
+
+    tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
+    has_mass = l > 0.0
+    l_safe = tl.where(has_mass, l, 1.0)
+    out = tl.where(has_mass[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(has_mass, m + tl.log(l_safe), float("-inf"))
+    if SINGLE_SPLIT:
+        out_rows = b.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+        tl.store(lse_ptr + b.to(tl.int64) * num_kv_heads * GROUP + heads, lse, mask=row_valid)
+    else:
+        part_rows = (b.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)

@@ -1,0 +1,301 @@
+"""Decode-attention speed on one GPU: the ART kernel against the best dense decode kernels.
+
+Everything is measured in one run with ``triton.testing.do_bench`` medians (each call starts
+with a cold L2: do_bench flushes it):
+
+* the copy-bandwidth ceiling (bytes read + written of a 1 GiB copy);
+* per ``(B, S)`` with ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16: the peers cuDNN SDPA, flash
+  SDPA and FlexAttention decode (where it compiles; failures are recorded), this kernel in
+  dense mode (``art=None``), with never-terminating thresholds (``tau = phi = 0``, same split
+  count: the monitor's overhead) and with the given ART thresholds;
+* the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
+* the split study: ART at small batch with one split and with the ART split heuristic, and
+  the dense kernel over a sweep of split counts and block sizes 64 / 128.
+
+KV caches are structured (sink, recency, heavy hitters: a ``make_cache`` callable such as
+``art_analysis.synthetic.synthetic_cache``, passed in by the CLI since ``kernels`` imports
+nothing from ``art_analysis``); two distinct sequences are generated per length and tiled
+over the batch.  Throughput is KV bytes read once (``2 B Hkv S D`` elements) over time; ART
+rows also report the *loaded fraction*, the K/V blocks the programs really loaded
+(``return_stats``) over all blocks, and check the target
+``ms <= 1.15 * loaded_fraction * dense_ms + 0.010``.
+
+``run(out_dir, quick, art=..., make_cache=..., capture=...)`` writes
+``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, every row, summary).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from tqdm.auto import tqdm
+
+from .art_decode import art_decode, choose_num_splits
+from .art_params import ARTParams
+
+BATCHES = (1, 8, 32, 64, 128, 256)
+LENGTHS = (8192, 32768, 131072)
+QUICK_BATCHES = (1, 32)
+QUICK_LENGTHS = (8192, 32768)
+CAPTURE_BATCHES = (1, 32, 128)
+FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
+SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768), (64, 32768))
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_KV_BYTES = 80 * 2 ** 30
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+NEVER = ARTParams(tau=0.0, phi=0.0)
+
+
+def kv_bytes(k: torch.Tensor) -> int:
+    """Bytes of K and V ``[B, Hkv, S, D]`` read once."""
+    return 2 * k.numel() * k.element_size()
+
+
+def median_ms(fn: Callable[[], object], rep_ms: int) -> float:
+    """``do_bench`` median in milliseconds."""
+    return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def copy_ceiling_tb_per_s(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, counting bytes read and written."""
+    src = torch.randn(2 ** 28, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 200)
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def structured_sequences(make_cache: Callable, seqlen: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Two sequences of ``make_cache`` (realistic preset; ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16) on ``device``."""
+    cache = make_cache(batch=2, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, seqlen=seqlen, head_dim=HEAD_DIM,
+                       preset="realistic", dtype=torch.bfloat16)
+    return tuple(x.to(device) for x in (cache.q, cache.k, cache.v))
+
+
+def tile_batch(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Tensor, ...]:
+    """Repeat the rows of ``tensors`` (each ``[B0, ...]``) cyclically to ``batch`` rows (contiguous copies)."""
+    rows = torch.arange(batch, device=tensors[0].device) % tensors[0].shape[0]
+    return tuple(x[rows].contiguous() for x in tensors)
+
+
+def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A captured layer (safetensors ``k, v [1, Hkv, S0, D]``, ``decode_q [1, Hq, steps, D]``) tiled to
+    ``seqlen`` tokens; batch row ``b`` uses decode query ``b % steps``."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    k, v, decode_q = tensors["k"], tensors["v"], tensors["decode_q"]
+    reps = -(-seqlen // k.shape[2])
+    k, v = (x.repeat(1, 1, reps, 1)[:, :, :seqlen].to(device=device, dtype=torch.bfloat16) for x in (k, v))
+    steps = decode_q.shape[2]
+    q = decode_q[0, :, torch.arange(batch) % steps].permute(1, 0, 2).to(device=device, dtype=torch.bfloat16)
+    return q.contiguous(), k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()
+
+
+def _peer_fns(q, k, v, flex: bool) -> dict:
+    """Dense decode peers as zero-argument callables (or the error that prevented building one)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q4 = q[:, :, None, :]
+
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+        return call
+
+    peers = {"cudnn_sdpa": sdpa(SDPBackend.CUDNN_ATTENTION), "flash_sdpa": sdpa(SDPBackend.FLASH_ATTENTION)}
+    if flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            compiled = torch.compile(flex_attention, dynamic=False)
+            peers["flex_attention"] = lambda: compiled(q4, k, v, enable_gqa=True)
+        except Exception as exc:  # recorded in the results, never fatal
+            peers["flex_attention"] = f"{type(exc).__name__}: {exc}"
+    return peers
+
+
+def _loaded_fraction(steps: torch.Tensor, seqlen: int, block_size: int) -> float:
+    """KV blocks loaded (``steps [B, Hkv, splits]``) over all blocks of full-length sequences."""
+    return float(steps.sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / block_size))
+
+
+def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False) -> list[dict]:
+    """Time every implementation on one ``(q, k, v)``; one row per implementation."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, seqlen = k.shape[1], k.shape[2]
+    nbytes = kv_bytes(k)
+    base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    rows = []
+
+    def add(impl, fn, **extra):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = median_ms(fn, rep_ms)
+        except Exception as exc:  # a peer without a kernel for this shape is a result, not a crash
+            rows.append({**base, "impl": impl, "error": f"{type(exc).__name__}: {str(exc)[:300]}", **extra})
+            torch.cuda.synchronize()
+            return None
+        rows.append({**base, "impl": impl, "ms": ms, "tb_per_s": nbytes / ms / 1e9,
+                     "fraction_of_copy_ceiling": nbytes / ms / 1e9 / ceiling, **extra})
+        return ms
+
+    reference = None
+    for name, fn in _peer_fns(q, k, v, flex).items():
+        if isinstance(fn, str):
+            rows.append({**base, "impl": name, "error": fn})
+            continue
+        if add(name, fn) is not None and reference is None:
+            reference = fn().squeeze(2).float()
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=False)
+    dense_ms = add("art_dense", lambda: art_decode(q, k, v), num_splits=splits)
+    if reference is not None:
+        out = art_decode(q, k, v).float()
+        rows[-1]["rel_error_vs_peer"] = float((out - reference).norm() / reference.norm())
+    add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits)
+    art_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=True)
+    _, steps = art_decode(q, k, v, art=art, return_stats=True)
+    loaded = _loaded_fraction(steps, seqlen, 64)
+    ms = add("art", lambda: art_decode(q, k, v, art=art), num_splits=art_splits, loaded_fraction=loaded)
+    if ms is not None and dense_ms is not None:
+        rows[-1]["time_bound_ms"] = 1.15 * loaded * dense_ms + 0.010
+        rows[-1]["meets_time_bound"] = ms <= rows[-1]["time_bound_ms"]
+    _speedups(rows)
+    return rows
+
+
+def _speedups(rows: list[dict]) -> None:
+    """Add ``speedup_vs_best_peer`` (best peer time / this time) to the rows of one shape."""
+    peer_ms = [r["ms"] for r in rows if r["impl"] in ("cudnn_sdpa", "flash_sdpa", "flex_attention") and "ms" in r]
+    if not peer_ms:
+        return
+    best = min(peer_ms)
+    for r in rows:
+        if "ms" in r:
+            r["best_peer_ms"] = best
+            r["speedup_vs_best_peer"] = best / r["ms"]
+
+
+def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
+    """ART with one split vs the ART split heuristic, and dense over a sweep of split counts."""
+    batch, seqlen = q.shape[0], k.shape[2]
+    base = dict(batch=batch, seqlen=seqlen)
+    rows = []
+    for label, splits in (("art_single_split", 1), ("art_heuristic", None)):
+        _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
+        rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
+                     "loaded_fraction": _loaded_fraction(steps, seqlen, 64),
+                     "leader_loaded_fraction": _loaded_fraction(steps[..., :1], seqlen, 64),
+                     "ms": median_ms(lambda: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
+    for block_size in (64, 128):
+        for splits in SPLIT_SWEEP:
+            rows.append({**base, "impl": "art_dense", "block_size": block_size, "num_splits": splits,
+                         "ms": median_ms(lambda: art_decode(q, k, v, block_size=block_size, num_splits=splits),
+                                         rep_ms)})
+    return rows
+
+
+def summarise(rows: list[dict], ceiling: float) -> dict:
+    """The issue's targets, checked on the rows of the main grid."""
+    by_shape: dict = {}
+    for r in rows:
+        if "ms" in r:
+            by_shape.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = r["ms"]
+    dense_ratio, overhead, b1 = [], [], None
+    for (data, batch, seqlen), impls in by_shape.items():
+        peers = [impls[p] for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention") if p in impls]
+        if data == "synthetic" and batch >= 16 and peers and "art_dense" in impls:
+            dense_ratio.append(min(peers) / impls["art_dense"])
+        if "art_never" in impls and "art_dense" in impls:
+            overhead.append(impls["art_never"] / impls["art_dense"] - 1)
+        if data == "synthetic" and batch == 1 and seqlen == 32768 and peers and "art_dense" in impls:
+            b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
+    art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
+    return {
+        "copy_ceiling_tb_per_s": ceiling,
+        "dense_over_best_peer_throughput_b16plus_min": min(dense_ratio, default=None),
+        "dense_over_best_peer_throughput_b16plus_median": sorted(dense_ratio)[len(dense_ratio) // 2] if dense_ratio else None,
+        "dense_target": 0.97,
+        "b1_s32k": b1,
+        "monitor_overhead_max": max(overhead, default=None),
+        "monitor_overhead_median": sorted(overhead)[len(overhead) // 2] if overhead else None,
+        "monitor_overhead_target": 0.01,
+        "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
+        "art_rows": len(art_rows),
+    }
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        json.dump(payload, tmp, indent=1)
+    os.replace(tmp.name, path)
+
+
+def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: Callable,
+        capture: str | os.PathLike | None = None) -> dict:
+    """Run the decode benchmark and write ``<out_dir>/<date>-art-decode.json``; returns the payload.
+
+    ``quick``: B in {1, 32} x S in {8k, 32k} and no FlexAttention (a smoke run).
+    ``art``: the thresholds of the terminating ART rows.  ``make_cache``: structured cache
+    generator (see the module docstring).  ``capture``: a safetensors layer (``k``, ``v``,
+    ``decode_q``) benchmarked tiled to each length.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("the decode benchmark needs a CUDA device")
+    if not isinstance(art, ARTParams):
+        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
+    device = torch.device("cuda")
+    rep_ms = 50 if quick else 100
+    ceiling = copy_ceiling_tb_per_s(device)
+    batches, lengths = (QUICK_BATCHES, QUICK_LENGTHS) if quick else (BATCHES, LENGTHS)
+    payload = {
+        "suite": "decode",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device),
+        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+                     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+        "quick": quick,
+        "art": dataclasses.asdict(art),
+        "copy_ceiling_tb_per_s": ceiling,
+    }
+    cases = [("synthetic", b, s) for s in lengths for b in batches
+             if 2 * b * KV_HEADS * s * HEAD_DIM * 2 <= MAX_KV_BYTES]
+    if capture is not None:
+        cases += [("smollm2_layer15_tiled", b, s) for s in lengths for b in (QUICK_BATCHES if quick else CAPTURE_BATCHES)]
+    payload["skipped"] = [dict(batch=b, seqlen=s, reason=f"KV cache over {MAX_KV_BYTES / 2 ** 30:.0f} GiB")
+                          for s in lengths for b in batches if 2 * b * KV_HEADS * s * HEAD_DIM * 2 > MAX_KV_BYTES]
+    rows, study, sequences = [], [], {}
+    for data, batch, seqlen in tqdm(cases, desc="decode bench"):
+        if data == "synthetic":
+            if seqlen not in sequences:
+                sequences = {seqlen: structured_sequences(make_cache, seqlen, device)}
+            q, k, v = tile_batch(sequences[seqlen], batch)
+        else:
+            sequences = {}
+            q, k, v = tiled_capture(capture, batch, seqlen, device)
+        flex = data == "synthetic" and not quick and (batch, seqlen) in FLEX_CASES
+        rows += bench_shape(q, k, v, data=data, art=art, rep_ms=rep_ms, ceiling=ceiling, flex=flex)
+        if data == "synthetic" and (batch, seqlen) in SPLIT_STUDY:
+            study += [{"data": data, **r} for r in split_study(q, k, v, art=art, rep_ms=rep_ms)]
+        del q, k, v
+        torch.cuda.empty_cache()
+    payload["rows"] = rows
+    payload["split_study"] = study
+    payload["summary"] = summarise(rows, ceiling)
+    _write_json(Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json", payload)
+    return payload

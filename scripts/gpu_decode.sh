@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The ART decode kernel on one CUDA GPU, in one call: the bf16 tests at real sizes (pytest -m gpu),
+# compute-sanitizer memcheck on a representative run (paged, ragged, ART with splits), then the
+# benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
+# benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
+# and memcheck.  The captured layer
+# .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q) is benchmarked when present.
+set -uo pipefail
+out_dir="${OUT:-benchmarks/results}"
+figure="${OUT:-figures}/kernel_speed.png"
+mkdir -p "$out_dir"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+    | tee "$out_dir/decode_gpu_state.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    python3 -m pytest -q -m gpu -s tests/test_art_decode.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
+fi
+memcheck_run='
+import torch
+from kernels.art_decode import art_decode
+from kernels.art_params import ARTParams
+torch.manual_seed(0)
+q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
+pages = torch.randn(2, 200, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+table = torch.randperm(200, device="cuda", dtype=torch.int32)[:150].view(3, 50)
+lengths = torch.tensor([1, 799, 513], device="cuda", dtype=torch.int32)
+for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
+    for splits in (1, 4):
+        out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=art, num_splits=splits)
+torch.cuda.synchronize()
+print("memcheck run finished", bool(torch.isfinite(out).all()))
+'
+if [ "${SKIP_TESTS:-0}" = 1 ]; then
+    :
+elif command -v compute-sanitizer >/dev/null; then
+    compute-sanitizer --tool memcheck python3 -c "$memcheck_run" 2>&1 | tail -n 20 | tee "$out_dir/decode_memcheck.log"
+else
+    echo "compute-sanitizer not found" | tee "$out_dir/decode_memcheck.log"
+fi
+capture=.carry/smollm2_layer15_ctx8192.safetensors
+extra=()
+[ -f "$capture" ] && extra=(--capture "$capture")
+[ "${QUICK:-0}" = 1 ] && extra+=(--quick)
+python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 \
+    | tee "$out_dir/decode_bench.log"

@@ -1,0 +1,303 @@
+"""`kernels.art_decode` against the simulator: outputs within the FlashAttention oracle, stop
+steps equal to the simulator's kernel-mode replay, zero thresholds bit-identical to dense,
+outputs fully written, ragged lengths and paged layouts.
+
+CPU runs use the Triton interpreter on small fp16/fp32 shapes; the ``gpu`` tests repeat the
+checks at real sizes in bf16 (``pytest -m gpu``).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kernels.art_decode as art_decode_module
+from art_analysis.blockwise import blockwise_attention
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig, stop
+from kernels.art_decode import art_decode
+
+CPU = torch.device("cpu")
+CAPTURED_LAYER = Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors"
+def synthetic_inputs(batch, q_heads, kv_heads, seqlen, dim, dtype, device, seed=0, preset="realistic"):
+    """``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` with sink / recency / heavy-hitter structure."""
+    cache = synthetic_cache(batch=batch, num_q_heads=q_heads, num_kv_heads=kv_heads, seqlen=seqlen,
+                            head_dim=dim, preset=preset, seed=seed, dtype=dtype, device=device)
+    return cache.q, cache.k, cache.v
+
+
+def captured_inputs(device, dtype=torch.float16):
+    """A real SmolLM2 layer: the 8 recorded decode queries as a batch of 8 ragged sequences.
+
+    Returns ``q [8, 9, 64]``, ``k, v [8, 3, S, 64]`` and ``cache_seqlens [8]`` (decode step ``t``
+    attends to the first ``C + t + 1`` cached tokens).
+    """
+    tensors = load_file(str(CAPTURED_LAYER))
+    k, v, decode_q = tensors["k"], tensors["v"], tensors["decode_q"]
+    steps = decode_q.shape[2]
+    context = k.shape[2] - steps
+    q = decode_q[0].permute(1, 0, 2).contiguous()
+    k = k.expand(steps, -1, -1, -1).contiguous()
+    v = v.expand(steps, -1, -1, -1).contiguous()
+    seqlens = torch.arange(context + 1, context + steps + 1, dtype=torch.int32)
+    return (q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype),
+            v.to(device=device, dtype=dtype), seqlens.to(device))
+
+
+def same_dtype_reference(q, k, v, seqlens=None, sm_scale=None):
+    """Attention computed by PyTorch in the inputs' dtype (the FlashAttention test oracle's ``out_pt``)."""
+    batch, q_heads, dim = q.shape
+    group = q_heads // k.shape[1]
+    sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
+    kk = k.repeat_interleave(group, dim=1)
+    vv = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q, kk) * sm_scale
+    if seqlens is not None:
+        valid = torch.arange(k.shape[2], device=k.device)[None, :] < seqlens[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("bhs,bhsd->bhd", weights, vv)
+
+
+def assert_within_flash_oracle(out, q, k, v, seqlens=None):
+    """``max|out - ref64| <= 3 max|out_same_dtype - ref64| + 1e-5`` (DESIGN §9)."""
+    ref = blockwise_attention(q, k, v, cache_seqlens=seqlens, mode="exact").final_out
+    same = same_dtype_reference(q, k, v, seqlens)
+    err = (out.double() - ref).abs().max().item()
+    bound = 3 * (same.double() - ref).abs().max().item() + 1e-5
+    assert err <= bound, f"kernel error {err:.3e} exceeds the FlashAttention oracle bound {bound:.3e}"
+
+
+def to_paged(k, v, page_size, seed=0):
+    """Scatter a contiguous cache into shuffled pages.
+
+    Returns ``k_pages, v_pages [num_pages, page_size, Hkv, D]`` (spare pages hold garbage) and
+    ``block_table [B, max_pages]`` int32.
+    """
+    batch, kv_heads, seqlen, dim = k.shape
+    per_seq = math.ceil(seqlen / page_size)
+    num_pages = batch * per_seq + 3
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_pages, generator=gen)[:batch * per_seq].view(batch, per_seq)
+    pad = per_seq * page_size - seqlen
+    pages = []
+    for x in (k, v):
+        store = torch.randn(num_pages, page_size, kv_heads, dim, generator=gen).to(device=x.device, dtype=x.dtype)
+        blocks = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, kv_heads, per_seq, page_size, dim)
+        store[table.flatten().to(x.device)] = blocks.permute(0, 2, 3, 1, 4).reshape(-1, page_size, kv_heads, dim)
+        pages.append(store)
+    return pages[0], pages[1], table.to(device=k.device, dtype=torch.int32)
+
+
+def simulator_stop(q, k, v, seqlens, config, order, block_size=64):
+    """Steps each ``(b, kv_head)`` visits under ``config`` in the simulator: ``[B, Hkv]`` and the StopResult."""
+    trace = blockwise_attention(q, k, v, block_size=block_size, order=order, cache_seqlens=seqlens, mode="kernel")
+    result = stop(trace, config)
+    group = q.shape[1] // k.shape[1]
+    return result.stop_step[:, ::group] + 1, result
+
+
+def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1):
+    """Kernel vs simulator steps over every case and config: ``(matches, total, mismatched differences)``."""
+    matches, total, differences = 0, 0, []
+    for q, k, v, seqlens in cases:
+        trace = blockwise_attention(q, k, v, order=order, cache_seqlens=seqlens, mode="kernel")
+        group = q.shape[1] // k.shape[1]
+        for config in configs:
+            result = stop(trace, config)
+            expected = result.stop_step[:, ::group] + 1
+            out, steps = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), order=order,
+                                    num_splits=num_splits, return_stats=True)
+            got = steps[..., 0].long()
+            same = got == expected
+            matches += int(same.sum())
+            total += same.numel()
+            differences += (got - expected)[~same].tolist()
+            agree = same.repeat_interleave(group, dim=1)
+            if agree.any():
+                torch.testing.assert_close(out[agree].double(), result.output[agree].double(), rtol=2e-2, atol=2e-2)
+    return matches, total, differences
+
+
+def assert_stop_agreement(matches, total, differences, label):
+    print(f"{label}: stop steps equal for {matches}/{total} (b, kv_head); differences {differences}")
+    assert matches >= 0.99 * total, f"{label}: only {matches}/{total} stop steps agree; differences {differences}"
+    assert all(abs(d) == 1 for d in differences), f"{label}: stop steps off by more than one: {differences}"
+
+
+ART_CONFIGS = (
+    ARTConfig(tau=1e-3, phi=1e-4, patience=3),
+    ARTConfig(tau=3e-3, phi=3e-4, patience=2, probe_dims="mma", min_steps=3),
+    ARTConfig(tau=1e-3, phi=1e-4, patience=2, probe_source="accumulator", scale="relative"),
+    ARTConfig(tau=2e-2, phi=1e-3, patience=2, probe_source="accumulator", scale="absolute", probe_dims="mma"),
+    ARTConfig(tau=2e-3, phi=1.0, patience=3, use_direction=False),
+    ARTConfig(tau=1.0, phi=2e-4, patience=3, use_scale=False),
+)
+
+
+@pytest.mark.parametrize("dtype, dim, q_heads, kv_heads, order, splits", [
+    (torch.float16, 64, 3, 3, "sink_recency", 1),
+    (torch.float16, 64, 6, 2, "sequential", 3),
+    (torch.float16, 128, 10, 2, "sink_recency", 4),
+    (torch.float16, 64, 16, 2, "sink_recency", 2),
+    (torch.float32, 128, 8, 2, "sequential", 1),
+    (torch.float32, 64, 4, 4, "sink_recency", 5),
+])
+def test_dense_output_within_flash_oracle(dtype, dim, q_heads, kv_heads, order, splits):
+    q, k, v = synthetic_inputs(2, q_heads, kv_heads, 700, dim, dtype, CPU, seed=dim + q_heads)
+    out, lse = art_decode(q, k, v, order=order, num_splits=splits, return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_within_flash_oracle(out, q, k, v)
+    scores = torch.einsum("bhd,bhsd->bhs", q.double(), k.double().repeat_interleave(q_heads // kv_heads, 1))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores * dim ** -0.5, -1), rtol=0, atol=1e-4)
+
+
+def test_stop_steps_match_simulator_on_synthetic_caches():
+    cases = []
+    for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 8, 2), ("peaked", 6, 2), ("diffuse", 5, 1))):
+        q, k, v = synthetic_inputs(3, q_heads, kv_heads, 1000, 64, torch.float16, CPU, seed=seed, preset=preset)
+        cases.append((q, k, v, None))
+    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS), "synthetic")
+
+
+def test_stop_steps_match_simulator_on_captured_layer():
+    q, k, v, seqlens = (x[::2] for x in captured_inputs(CPU))
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS[:4]), "captured SmolLM2 layer 15")
+
+
+def test_stop_steps_match_simulator_in_sequential_order():
+    q, k, v = synthetic_inputs(2, 6, 3, 800, 64, torch.float16, CPU, seed=7)
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, None)], ART_CONFIGS[:3], order="sequential"),
+                          "sequential order")
+
+
+def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped():
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps, leader holds 12
+    config = ARTConfig(tau=1e-3, phi=1e-4, patience=3)
+    expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
+    single = art_decode(q, k, v, art=config.kernel_params(), num_splits=1)
+    dense = art_decode(q, k, v, num_splits=2)
+    out, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=2, return_stats=True)
+    leader_stopped = expected <= 12
+    assert leader_stopped.any() and (~leader_stopped).any(), "the case must cover both outcomes"
+    group = q.shape[1] // k.shape[1]
+    stopped_heads = leader_stopped.repeat_interleave(group, dim=1)
+    assert torch.equal(steps[..., 0][leader_stopped].long(), expected[leader_stopped])
+    assert torch.equal(out[stopped_heads], single[stopped_heads])
+    assert torch.equal(steps[~leader_stopped], torch.full_like(steps[~leader_stopped], 12))
+    assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_zero_thresholds_are_bit_identical_to_dense(splits):
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(2, 6, 2, 900, 64, torch.float16, CPU, seed=11)
+    seqlens = torch.tensor([900, 517], dtype=torch.int32)
+    dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True, return_stats=True)
+    never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
+                       return_lse=True, return_stats=True)
+    for a, b in zip(dense, never):
+        assert torch.equal(a, b)
+
+
+def test_outputs_fully_written_over_nan_poisoned_buffers(monkeypatch):
+    def poisoned(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else -7
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    q, k, v = synthetic_inputs(3, 4, 2, 600, 64, torch.float16, CPU, seed=5)
+    seqlens = torch.tensor([600, 1, 130], dtype=torch.int32)
+    config = ARTConfig(tau=1e-3, phi=1e-4, patience=2).kernel_params()
+    clean = [art_decode(q, k, v, cache_seqlens=seqlens, art=art, num_splits=splits, return_lse=True,
+                        return_stats=True) for art in (None, config) for splits in (1, 4)]
+    monkeypatch.setattr(art_decode_module, "_scratch", poisoned)
+    dirty = [art_decode(q, k, v, cache_seqlens=seqlens, art=art, num_splits=splits, return_lse=True,
+                        return_stats=True) for art in (None, config) for splits in (1, 4)]
+    for (out, lse, steps), reference in zip(dirty, clean):
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all() and (steps >= 0).all()
+        for a, b in zip((out, lse, steps), reference):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-3, phi=1e-4, patience=2)], ids=["dense", "art"])
+def test_ragged_lengths_and_shuffled_pages(art):
+    lengths = torch.tensor([1, 63, 65, 1027], dtype=torch.int32)
+    q, k, v = synthetic_inputs(4, 4, 2, 1027, 64, torch.float16, CPU, seed=13)
+    params = None if art is None else art.kernel_params()
+    contiguous, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=2,
+                                        return_lse=True, return_stats=True)
+    if art is None:
+        assert_within_flash_oracle(contiguous, q, k, v, lengths)
+        assert torch.equal(steps.sum(-1), ((lengths.long() + 63) // 64)[:, None].expand(-1, 2).to(steps.dtype))
+    else:
+        expected, result = simulator_stop(q, k, v, lengths, art, "sink_recency")
+        single, single_steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1,
+                                          return_stats=True)
+        assert torch.equal(single_steps[..., 0].long(), expected)
+    for page_size in (1, 16):
+        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params,
+                           num_splits=2, return_lse=True, return_stats=True)
+        for a, b in zip(paged, (contiguous, lse, steps)):
+            assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes, bf16
+
+def _cuda():
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, seqlen, q_heads, kv_heads, dim", [
+    (1, 32768, 32, 8, 128), (16, 8192, 32, 8, 128), (3, 5000, 40, 8, 128), (4, 8192, 9, 3, 64), (2, 4096, 8, 8, 64),
+])
+def test_gpu_dense_output_within_flash_oracle(batch, seqlen, q_heads, kv_heads, dim):
+    q, k, v = synthetic_inputs(batch, q_heads, kv_heads, seqlen, dim, torch.bfloat16, _cuda(), seed=seqlen)
+    for splits in (None, 1):
+        assert_within_flash_oracle(art_decode(q, k, v, num_splits=splits), q, k, v)
+
+
+@pytest.mark.gpu
+def test_gpu_stop_steps_match_simulator():
+    cases = []
+    for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 32, 8), ("peaked", 40, 8), ("diffuse", 32, 8))):
+        q, k, v = synthetic_inputs(8, q_heads, kv_heads, 4096, 128, torch.bfloat16, _cuda(), seed=seed, preset=preset)
+        cases.append((q, k, v, None))
+    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS), "GPU bf16 synthetic")
+    q, k, v, seqlens = captured_inputs(_cuda(), torch.bfloat16)
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS), "GPU bf16 captured layer")
+
+
+@pytest.mark.gpu
+def test_gpu_zero_thresholds_bit_identical_and_fully_written(monkeypatch):
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(4, 32, 8, 16384, 128, torch.bfloat16, _cuda(), seed=1)
+    seqlens = torch.tensor([16384, 1, 9000, 4097], dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(art_decode_module, "_scratch", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
+    for splits in (1, 7, 32):
+        dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True, return_stats=True)
+        never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
+                           return_lse=True, return_stats=True)
+        assert torch.isfinite(dense[0]).all() and torch.isfinite(dense[1]).all()
+        for a, b in zip(dense, never):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_paged_layouts_agree():
+    lengths = torch.tensor([1, 63, 65, 1027, 20000], dtype=torch.int32, device="cuda")
+    q, k, v = synthetic_inputs(5, 32, 8, 20000, 128, torch.bfloat16, _cuda(), seed=2)
+    contiguous = art_decode(q, k, v, cache_seqlens=lengths, return_lse=True)
+    assert_within_flash_oracle(contiguous[0], q, k, v, lengths)
+    for page_size in (1, 16, 256):
+        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
+        for a, b in zip(paged, contiguous):
+            assert torch.equal(a, b)
