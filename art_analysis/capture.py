@@ -39,6 +39,7 @@ import datetime
 import hashlib
 import importlib
 import importlib.metadata
+import inspect
 import json
 import os
 import platform
@@ -55,13 +56,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .corpus import Prompt
+from .corpus import Prompt, check_int
 from .models import LoadedModel, load_model
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 TOKENS_FILE = "tokens.safetensors"
-LAYER_TENSORS = ("k", "v", "decode_q", "prefill_q")
 CAPTURE_IMPL_PREFIX = "art_capture_"
 
 
@@ -437,14 +437,6 @@ def model_dims(model) -> dict:
     }
 
 
-def _check_positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def _as_list(x) -> list:
     return [x] if isinstance(x, (str, Prompt)) else list(x)
 
@@ -504,8 +496,6 @@ def _versions() -> dict:
 
 def _cache_param(model) -> str:
     """Name of the forward argument carrying the KV cache (renamed in transformers 5)."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -543,9 +533,9 @@ def capture_kv(
     Returns:
         a `KVCapture` in memory (the model's dtype, CPU), with ``S = C + decode_steps``.
     """
-    decode_steps = _check_positive_int(decode_steps, "decode_steps")
+    decode_steps = check_int(decode_steps, "decode_steps", 1)
     if context_tokens is not None:
-        context_tokens = _check_positive_int(context_tokens, "context_tokens")
+        context_tokens = check_int(context_tokens, "context_tokens", 1)
     if (text is None) == (prompt is None):
         raise ValueError("pass exactly one of text= (a long text, cut to context_tokens) or prompt= (used whole)")
     if text is not None and context_tokens is None:

@@ -72,7 +72,8 @@ _DOCUMENTS: dict[str, Callable[[random.Random], Iterator[str]]] = {
 }
 
 
-def _check_int(value, name: str, minimum: int) -> int:
+def check_int(value, name: str, minimum: int) -> int:
+    """`value` must be an int (not a bool) >= `minimum`; returns it."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -93,8 +94,8 @@ def long_text(name: str = "stdlib", *, seed: int = 0, length: int = 100_000, tok
     text holds at least `length` tokens (with `tokenizer`) or characters (without)."""
     if name not in _DOCUMENTS:
         raise ValueError(f"unknown text source {name!r}: expected one of {LONG_TEXT_SOURCES}")
-    _check_int(seed, "seed", 0)
-    _check_int(length, "length", 1)
+    check_int(seed, "seed", 0)
+    check_int(length, "length", 1)
     encode = _units(tokenizer)[0]
     parts, total = [], 0
     for doc in _DOCUMENTS[name](random.Random(seed)):
@@ -144,7 +145,7 @@ class Prompt:
 
 def _build_prompt(kind: str, length: int, depth: float, seed: int, tokenizer, prefix: str,
                   sentences: Iterator[str], needle: str, question: str, answer: str) -> Prompt:
-    _check_int(length, "length", 1)
+    check_int(length, "length", 1)
     if not isinstance(depth, (int, float)) or isinstance(depth, bool) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
     encode, decode, unit = _units(tokenizer)
@@ -178,7 +179,7 @@ def _build_prompt(kind: str, length: int, depth: float, seed: int, tokenizer, pr
 def passkey_prompt(length: int, *, depth: float = 0.5, seed: int = 0, tokenizer=None) -> Prompt:
     """Pass-key retrieval: filler sentences with a 5-digit key hidden at `depth`; the prompt
     ends with "The pass key is" so the answer is the continuation."""
-    _check_int(seed, "seed", 0)
+    check_int(seed, "seed", 0)
     rng = random.Random(seed)
     key = str(rng.randint(10_000, 99_999))
 
@@ -205,7 +206,7 @@ def _sentences(text: str) -> Iterator[str]:
 def niah_prompt(length: int, *, depth: float = 0.5, seed: int = 0, tokenizer=None) -> Prompt:
     """Needle in a haystack over the ``"docs"`` prose: "The special magic number for KEY is:
     N." hidden at `depth`; the prompt ends by asking for it, so N is the continuation."""
-    _check_int(seed, "seed", 0)
+    check_int(seed, "seed", 0)
     rng = random.Random(seed)
     key = rng.choice(NIAH_KEYS)
     number = str(rng.randint(1_000_000, 9_999_999))

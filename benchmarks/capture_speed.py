@@ -3,8 +3,9 @@
 Runs `capture_kv` on the embedded SmolLM2 model (stdlib text, 8192 context tokens, 8 decode
 steps, prefill queries of the first, middle and last layer by default) and writes one JSON to
 `benchmarks/results/<date>-capture-cpu.json` with: model load time, capture time (prefill +
-decode), save time, peak resident memory during the capture, the machine's CPU count, torch
-threads and load average (other processes on the machine slow the capture down).
+decode) in wall-clock and in CPU seconds of this process, save time, peak resident memory
+during the capture, the machine's CPU count, torch threads and load average (other processes
+on the machine slow the wall-clock time down; the CPU seconds are less sensitive to them).
 
     python benchmarks/capture_speed.py [--context 8192] [--decode-steps 8] [--repeats 1]
 """
@@ -89,15 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         rss_before = PeakRSS.current()
         with PeakRSS() as rss:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             capture = capture_kv(loaded, text=text, context_tokens=args.context, decode_steps=args.decode_steps,
                                  prefill_layers=prefill_layers, progress=False)
-            capture_s = time.perf_counter() - start
+            capture_s, capture_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             capture.save(Path(tmp) / "capture")
             save_s = time.perf_counter() - start
-        rows.append({"capture_s": capture_s, "save_s": save_s, "peak_rss_gib": rss.peak / 2**30,
+        rows.append({"capture_s": capture_s, "capture_cpu_s": capture_cpu_s, "save_s": save_s, "peak_rss_gib": rss.peak / 2**30,
                      "rss_before_gib": rss_before / 2**30, "capture_gib": capture.nbytes / 2**30,
                      "loadavg_1min_before": load_before[0], "loadavg_1min_after": os.getloadavg()[0]})
         print(json.dumps(rows[-1]))
