@@ -30,7 +30,7 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from kernels.block_sparse import KernelConfig, block_sparse_attention, default_config, flexprefill_attention
+from kernels.block_sparse import KernelConfig, block_sparse_attention, flexprefill_attention
 from kernels.flexprefill_estimate import estimate_block_mask, query_aware_blocks, representative_lines
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
@@ -199,7 +199,7 @@ def bench_case(q, k, v, *, data: str, gammas, tau: float, block_size: int, min_b
         aware_ms = _median_ms(lambda: query_aware_blocks(q, key_means, gamma=gamma, block_size=block_size,
                                                          scale=d ** -0.5, lowest=min_budget // block_size,
                                                          highest=nb), rep_ms)
-        rows.append({**common, "method": "estimate_query_aware_only", "ms": aware_ms})
+        rows.append({**common, "method": "estimate_query_aware_all_heads", "ms": aware_ms})
         rows.append({**common, "method": "kernel_sparse", "ms": kernel_ms,
                      "ms_per_tile_over_sdpa": (kernel_ms / kept) / (sdpa_ms / causal_tiles)})
         rows.append({**common, "method": "flexprefill", "ms": call_ms, "speedup_vs_sdpa": sdpa_ms / call_ms,
@@ -208,12 +208,30 @@ def bench_case(q, k, v, *, data: str, gammas, tau: float, block_size: int, min_b
     return rows
 
 
+def profile_estimate(q, k, top: int = 12, **params) -> list[dict]:
+    """Device time per kernel of one :func:`estimate_block_mask` call (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    estimate_block_mask(q, k, **params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        estimate_block_mask(q, k, **params)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    timed = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:top]
+    return [{"kernel": e.key[:120], "calls": e.count, "device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3}
+            for e in timed]
+
+
 def summarise(rows: list[dict]) -> dict:
     """The issue's targets, checked on the rows."""
     estimates = [r for r in rows if r["method"] == "estimate" and r["seqlen"] >= 131072]
     sparse = [r for r in rows if r["method"] == "kernel_sparse"]
     calls = [r for r in rows if r["method"] == "flexprefill" and r["seqlen"] >= 32768 and r["kept_fraction"] <= 0.3]
+    sdpa = {(r["data"], r["seqlen"]): r["ms"] for r in rows if r["method"] == "sdpa"}
     return {
+        "kernel_all_tiles_over_sdpa": {f"{r['data']}@{r['seqlen']}": r["ms"] / sdpa[(r["data"], r["seqlen"])]
+                                       for r in rows if r["method"] == "kernel_all_tiles"},
         "estimate_ms_at_128k_max": max((r["ms"] for r in estimates), default=None),
         "estimate_target_ms": 5.0,
         "kernel_ms_per_tile_over_sdpa_max": max((r["ms_per_tile_over_sdpa"] for r in sparse), default=None),
@@ -234,14 +252,15 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
     """Run the benchmark and write ``<out_dir>/<date>-flexprefill.json``; returns the payload.
 
     ``quick``: lengths 8k and 16k and one gamma (a smoke run); otherwise 32k, 64k, 128k and
-    gamma 0.9, 0.95 on 32 query / 8 KV heads, D = 128, bf16.  ``capture``: a safetensors file
+    gamma 0.85, 0.9, 0.95, 0.99 on 32 query / 8 KV heads, D = 128, bf16.  The tile config of
+    the kernel is the fastest of a few candidates, per head dim, on the dense causal mask.  ``capture``: a safetensors file
     of prefill ``q{layer}, k{layer}, v{layer}`` (see :func:`tiled_capture`).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("the FlexPrefill benchmark needs a CUDA device")
     device = torch.device("cuda")
     lengths = (8192, 16384) if quick else (32768, 65536, 131072)
-    gammas = (0.9,) if quick else (0.9, 0.95)
+    gammas = (0.9,) if quick else (0.85, 0.9, 0.95, 0.99)
     block_size, tau, min_budget = 128, 0.1, 1024
     rep_ms = 100 if quick else 400
     payload = {
@@ -253,27 +272,32 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
         "quick": quick,
         "ceilings": ceilings(device),
     }
-    q, k, v = structured_prefill(seqlen=lengths[0], device=device)
-    configs = [KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3),
-               KernelConfig(64, 64, 4, 3), KernelConfig(128, 128, 8, 2)]
-    payload["kernel_configs"] = sweep_kernel_configs(q, k, v, block_size, configs)
-    best = min(payload["kernel_configs"], key=lambda r: r["ms"])
-    config = KernelConfig(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])
-    payload["kernel_config"] = {**best, "default": vars(default_config(128, block_size))}
-    del q, k, v
+    candidates = {128: [KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3),
+                        KernelConfig(64, 64, 4, 3)],
+                  64: [KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3)]}
+    payload["kernel_configs"], chosen = {}, {}
+    for head_dim, configs in candidates.items():
+        q, k, v = structured_prefill(seqlen=lengths[0], head_dim=head_dim, device=device)
+        timed = sweep_kernel_configs(q, k, v, block_size, configs)
+        best = min(timed, key=lambda r: r["ms"])
+        payload["kernel_configs"][f"d{head_dim}"] = timed
+        chosen[head_dim] = KernelConfig(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])
+        del q, k, v
+    payload["kernel_config"] = {f"d{d}": vars(cfg) for d, cfg in chosen.items()}
 
     cases = [("structured", n) for n in lengths] + ([("smollm2", n) for n in lengths] if capture else [])
     rows = []
     for data, n in tqdm(cases, desc="flexprefill bench"):
         if data == "structured":
             q, k, v = structured_prefill(seqlen=n, device=device)
-            cfg = config
         else:
             q, k, v = tiled_capture(capture, capture_layer, n, device=device)
-            cfg = default_config(q.shape[-1], block_size)
+        if n == lengths[-1]:
+            payload[f"estimate_profile_{data}_{n}"] = profile_estimate(q, k, gamma=0.9, tau=tau,
+                                                                      block_size=block_size, min_budget=min_budget)
         rows += bench_case(q, k, v, data=data if data == "structured" else f"smollm2_layer{capture_layer}_tiled",
-                           gammas=gammas, tau=tau, block_size=block_size, min_budget=min_budget, config=cfg,
-                           rep_ms=rep_ms)
+                           gammas=gammas, tau=tau, block_size=block_size, min_budget=min_budget,
+                           config=chosen[q.shape[-1]], rep_ms=rep_ms)
         del q, k, v
         torch.cuda.empty_cache()
     payload["rows"] = rows
@@ -294,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         print({key: (round(val, 4) if isinstance(val, float) else val) for key, val in row.items()
                if key in ("data", "seqlen", "method", "gamma", "ms", "kept_fraction", "speedup_vs_sdpa",
                           "ms_per_tile_over_sdpa", "rel_error_vs_sdpa")})
-    print(json.dumps({"ceilings": payload["ceilings"], "kernel_config": payload["kernel_config"],
-                      "summary": payload["summary"]}, indent=1))
+    print(json.dumps({key: val for key, val in payload.items() if key not in ("rows", "kernel_configs")},
+                     indent=1))
     return 0
 
 

@@ -41,9 +41,8 @@ def default_config(head_dim: int, block_size: int) -> KernelConfig:
     if not torch.cuda.is_available():
         tile = min(block_size, 32)
         return KernelConfig(tile, tile, 4, 1)
-    block_m = min(block_size, 128)
-    block_n = min(block_size, 64 if head_dim == 128 else 128)
-    return KernelConfig(block_m, block_n, 8 if head_dim == 128 else 4, 3)
+    tile = min(block_size, 128)
+    return KernelConfig(tile, tile, 8 if head_dim == 128 else 4, 2 if head_dim == 128 else 3)
 
 
 def column_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

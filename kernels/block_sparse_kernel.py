@@ -30,17 +30,17 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, offs_m, seqlen, qk
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = tl.dot(q, tl.trans(k))
     if MASKED:
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < seqlen)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_ref = m_new
     alpha = tl.math.exp2(m_i - m_ref)
-    p = tl.math.exp2(qk - m_ref[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

@@ -1,9 +1,12 @@
 """On-device FlexPrefill estimation: representative attention in Triton, selection in batched torch.
 
-No host synchronisation (no ``.item()``, ``torch.unique`` or histograms) and no loop over heads:
-every decision is a batched tensor operation over ``[B, Hq, ...]``.  It implements exactly the
-rules of ``art_analysis.flexprefill.select_blocks`` (the readable reference the tests hold it
-to); see that module for the algorithm and for the upstream quirk flags.
+No loop over heads, ``torch.unique`` or histograms: every decision is a batched tensor operation
+over ``[B, Hq, ...]``.  One host synchronisation reads which heads the pattern search made
+query-aware, so that the query-aware search (an ``nb x nb`` map per head, sorted whole:
+the dominant cost at long lengths) runs for those heads only; most heads of real models are
+vertical-slash.  It implements exactly the rules of ``art_analysis.flexprefill.select_blocks``
+(the readable reference the tests hold it to); see that module for the algorithm and for the
+upstream quirk flags.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ class FlexPrefillEstimate:
 def _launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_N, num_warps) for the representative-attention kernels.
 
-    ``BLOCK_N == ROWS`` keeps the shear width ``ROWS + BLOCK_N`` a power of two.
+    ``BLOCK_N == ROWS`` keeps the shear width ``ROWS + BLOCK_N`` of the line-sum kernel a power
+    of two; the row-statistics kernel, which has no shear, takes ``2 * BLOCK_N`` keys a step.
     """
     row_tile = max(16, min(64, triton.next_power_of_2(rows)))
     return row_tile, row_tile, 4 if head_dim <= 64 else 8
@@ -52,7 +56,7 @@ def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, s
     b, hq, n, d = q.shape
     rows = min(block_size, n)
     row_tile, block_n, num_warps = _launch_config(rows, d)
-    per_program = max(block_n, keys_per_program // block_n * block_n)
+    per_program = max(2 * block_n, keys_per_program // (2 * block_n) * (2 * block_n))
     chunks = triton.cdiv(n, per_program)
     row_groups = triton.cdiv(rows, row_tile)
     hkv = k.shape[1]
@@ -63,7 +67,7 @@ def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, s
     row_max = torch.empty(b, hq, chunks, rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     representative_row_stats_kernel[grid](q, k, row_max, row_sum, *shared, *row_max.stride(),
-                                          HEAD_DIM=d, ROWS=row_tile, BLOCK_N=block_n, num_warps=num_warps)
+                                          HEAD_DIM=d, ROWS=row_tile, BLOCK_N=2 * block_n, num_warps=num_warps)
     top = row_max.amax(dim=2)
     lse2 = (top + torch.log2((row_sum * torch.exp2(row_max - top[:, :, None])).sum(dim=2))).contiguous()
 
@@ -199,12 +203,18 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     js = js_pattern_distance(q, key_means, pooled_lines[:, :, 0], rows=min(block_size, n), scale=scale,
                              js_eps=js_eps)
     query_aware = js < tau
-    aware = query_aware_blocks(q, key_means, gamma=gamma, block_size=block_size, scale=scale, lowest=lowest,
-                               highest=highest)
-    if union_vs_for_query_aware:
-        aware = aware | vertical_slash
     blocks = torch.arange(nb, device=q.device)
-    keep = (blocks[None, :] == 0) | (blocks[None, :] == blocks[:, None])
-    mask = (torch.where(query_aware[..., None, None], aware, vertical_slash) | keep) & (blocks[None, :] <= blocks[:, None])
+    forced = (blocks[None, :] == 0) | (blocks[None, :] == blocks[:, None])
+    causal = blocks[None, :] <= blocks[:, None]
+    mask = (vertical_slash | forced) & causal
+    aware_heads = query_aware.flatten().nonzero().squeeze(1)
+    if aware_heads.numel():
+        b_idx, h_idx = aware_heads // q.shape[1], aware_heads % q.shape[1]
+        group = q.shape[1] // k.shape[1]
+        aware = query_aware_blocks(q[b_idx, h_idx][None], key_means[b_idx, h_idx // group][None], gamma=gamma,
+                                   block_size=block_size, scale=scale, lowest=lowest, highest=highest)[0]
+        if union_vs_for_query_aware:
+            aware = aware | vertical_slash[b_idx, h_idx]
+        mask[b_idx, h_idx] = (aware | forced) & causal
     return FlexPrefillEstimate(block_mask=mask, pattern=query_aware.long(), js_distance=js, budgets=budgets,
                                lines=lines)
