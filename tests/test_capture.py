@@ -339,3 +339,33 @@ def test_cli_captures_a_passkey_prompt(loaded, tmp_path, monkeypatch, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(argv(steps=0) + ["--overwrite"]) == 2
     assert "--decode-steps must be >= 1" in capsys.readouterr().err
+
+
+@needs_model
+def test_batched_capture_rows_match_single_row_captures(loaded):
+    texts = [long_text("stdlib", seed=s, length=64, tokenizer=loaded.tokenizer) for s in (1, 2)]
+    both = capture_kv(loaded, text=texts, context_tokens=64, decode_steps=2, prefill_layers=[1], progress=False)
+    assert both.batch_size == 2 and both.token_ids.shape == (2, 66)
+    for row, text in enumerate(texts):
+        one = capture_kv(loaded, text=text, context_tokens=64, decode_steps=2, prefill_layers=[1], progress=False)
+        for a, b in zip(both.layer(1), one.layer(1)):
+            torch.testing.assert_close(a[row:row + 1], b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(both.prefill_queries(1)[row:row + 1], one.prefill_queries(1), rtol=1e-4, atol=1e-5)
+    assert torch.equal(both.cache_seqlens_for_step(1), torch.tensor([66, 66], dtype=torch.int32))
+
+
+@needs_model
+def test_capture_through_eager_attention(loaded):
+    """The recorder wraps whichever attention the model is configured with, eager included."""
+    text = long_text("docs", seed=0, length=64, tokenizer=loaded.tokenizer)
+    loaded.model.set_attn_implementation("eager")
+    try:
+        eager = capture_kv(loaded, text=text, context_tokens=48, decode_steps=2, progress=False)
+        assert loaded.model.config._attn_implementation == "eager"
+    finally:
+        loaded.model.set_attn_implementation("sdpa")
+    sdpa = capture_kv(loaded, text=text, context_tokens=48, decode_steps=2, progress=False)
+    assert eager.metadata["model"]["attn_implementation"] == "eager"
+    for layer in (0, 17):
+        for a, b in zip(eager.layer(layer), sdpa.layer(layer)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
