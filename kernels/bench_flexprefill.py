@@ -30,7 +30,7 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from kernels.block_sparse import KernelConfig, block_sparse_attention, flexprefill_attention
+from kernels.block_sparse import KernelConfig, block_sparse_attention, default_config, flexprefill_attention
 from kernels.flexprefill_estimate import estimate_block_mask, query_aware_blocks, representative_lines
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
@@ -248,12 +248,14 @@ def _write_json(path: Path, payload: dict) -> None:
     os.replace(tmp.name, path)
 
 
-def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None, capture_layer: int = 15) -> dict:
+def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None, capture_layer: int = 15,
+        sweep_configs: bool = False) -> dict:
     """Run the benchmark and write ``<out_dir>/<date>-flexprefill.json``; returns the payload.
 
     ``quick``: lengths 8k and 16k and one gamma (a smoke run); otherwise 32k, 64k, 128k and
     gamma 0.85, 0.9, 0.95, 0.99 on 32 query / 8 KV heads, D = 128, bf16.  The tile config of
-    the kernel is the fastest of a few candidates, per head dim, on the dense causal mask.  ``capture``: a safetensors file
+    the kernel is :func:`kernels.block_sparse.default_config`, or with ``sweep_configs`` the fastest
+    of a few candidates per head dim on the dense causal mask (all timings recorded).  ``capture``: a safetensors file
     of prefill ``q{layer}, k{layer}, v{layer}`` (see :func:`tiled_capture`).
     """
     if not torch.cuda.is_available():
@@ -272,17 +274,19 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
         "quick": quick,
         "ceilings": ceilings(device),
     }
-    candidates = {128: [KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3),
-                        KernelConfig(64, 64, 4, 3)],
-                  64: [KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3)]}
-    payload["kernel_configs"], chosen = {}, {}
-    for head_dim, configs in candidates.items():
-        q, k, v = structured_prefill(seqlen=lengths[0], head_dim=head_dim, device=device)
-        timed = sweep_kernel_configs(q, k, v, block_size, configs)
-        best = min(timed, key=lambda r: r["ms"])
-        payload["kernel_configs"][f"d{head_dim}"] = timed
-        chosen[head_dim] = KernelConfig(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])
-        del q, k, v
+    chosen = {d: default_config(d, block_size) for d in (64, 128)}
+    if sweep_configs:
+        candidates = {128: [KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3),
+                            KernelConfig(64, 64, 4, 3)],
+                      64: [KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3)]}
+        payload["kernel_configs"] = {}
+        for head_dim, configs in candidates.items():
+            q, k, v = structured_prefill(seqlen=lengths[0], head_dim=head_dim, device=device)
+            timed = sweep_kernel_configs(q, k, v, block_size, configs)
+            best = min(timed, key=lambda r: r["ms"])
+            payload["kernel_configs"][f"d{head_dim}"] = timed
+            chosen[head_dim] = KernelConfig(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])
+            del q, k, v
     payload["kernel_config"] = {f"d{d}": vars(cfg) for d, cfg in chosen.items()}
 
     cases = [("structured", n) for n in lengths] + ([("smollm2", n) for n in lengths] if capture else [])
@@ -312,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short smoke run (8k and 16k tokens)")
     parser.add_argument("--capture", default=None, help="safetensors file with q{L}, k{L}, v{L} prefill tensors")
     parser.add_argument("--capture-layer", type=int, default=15)
+    parser.add_argument("--sweep-configs", action="store_true", help="time several kernel tile configs first")
     args = parser.parse_args(argv)
-    payload = run(args.out, args.quick, capture=args.capture, capture_layer=args.capture_layer)
+    payload = run(args.out, args.quick, capture=args.capture, capture_layer=args.capture_layer,
+                  sweep_configs=args.sweep_configs)
     for row in payload["rows"]:
         print({key: (round(val, 4) if isinstance(val, float) else val) for key, val in row.items()
                if key in ("data", "seqlen", "method", "gamma", "ms", "kept_fraction", "speedup_vs_sdpa",

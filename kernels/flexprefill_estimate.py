@@ -95,6 +95,17 @@ def _token_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return _pool(x, block_size, 2) / _pool(valid, block_size, 0)[:, None]
 
 
+def _cumsum(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
+    """Inclusive cumsum along the last dim, in two levels of ``width`` for long rows (a single scan
+    over a row of 10^5..10^6 entries is slow on the GPU); ints stay exact."""
+    n = x.shape[-1]
+    if n <= 4 * width:
+        return x.cumsum(dim=-1)
+    tiles = torch.nn.functional.pad(x, (0, -n % width)).unflatten(-1, (-1, width)).cumsum(dim=-1)
+    totals = tiles[..., -1]
+    return (tiles + (totals.cumsum(dim=-1) - totals)[..., None]).flatten(-2)[..., :n]
+
+
 def _largest(scores: torch.Tensor, count: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
     """Bool mask of the ``count`` largest entries along the last dim, ties taken lowest index first
     (the prefix of a stable descending sort), given ``kth [..., 1]``, the count-th largest value.
@@ -104,14 +115,14 @@ def _largest(scores: torch.Tensor, count: torch.Tensor, kth: torch.Tensor) -> to
     above = scores > kth
     ties = scores == kth
     need = count[..., None] - above.sum(dim=-1, keepdim=True)
-    return (above | (ties & (ties.cumsum(dim=-1) <= need))) & (count[..., None] > 0)
+    return (above | (ties & (_cumsum(ties.to(torch.int32)) <= need))) & (count[..., None] > 0)
 
 
 def _coverage(mass: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fewest largest entries of normalised ``mass [..., n]`` reaching ``gamma`` (capped at n), and
     the value of the last one ``[..., 1]``."""
     ordered = mass.sort(dim=-1, descending=True).values
-    count = ((ordered.cumsum(dim=-1) < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1])
+    count = ((_cumsum(ordered) < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1])
     return count, ordered.gather(-1, count[..., None] - 1)
 
 
@@ -133,9 +144,16 @@ def vertical_slash_blocks(lines: torch.Tensor, *, gamma: float, block_size: int,
     pooled = _pool(lines, block_size, 3)
     kth = pooled.sort(dim=-1, descending=True).values.gather(-1, budgets[..., None] - 1)
     kept = _largest(pooled, budgets, kth)
-    blocks = torch.arange(pooled.shape[-1], device=lines.device)
-    offsets = (blocks[:, None] - blocks[None, :]).clamp(min=0)
-    return kept[:, :, 0, None, :] | kept[:, :, 1][..., offsets], budgets, pooled
+    return kept[:, :, 0, None, :] | _diagonals(kept[:, :, 1]), budgets, pooled
+
+
+def _diagonals(offsets: torch.Tensor) -> torch.Tensor:
+    """``offsets [B, H, nb]`` bool -> ``[B, H, nb, nb]`` with ``out[r, c] = offsets[r - c]`` for
+    ``c <= r`` and False above the diagonal (a Toeplitz view of the reversed, zero-padded vector)."""
+    b, h, nb = offsets.shape
+    padded = torch.cat((offsets.flip(-1), offsets.new_zeros(b, h, nb)), dim=-1).contiguous()
+    toeplitz = padded.as_strided((b, h, nb, nb), (h * 2 * nb, 2 * nb, 1, 1))
+    return toeplitz.flip(-2)
 
 
 def js_pattern_distance(q: torch.Tensor, key_means: torch.Tensor, truth: torch.Tensor, *, rows: int, scale: float,
@@ -211,7 +229,8 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     if aware_heads.numel():
         b_idx, h_idx = aware_heads // q.shape[1], aware_heads % q.shape[1]
         group = q.shape[1] // k.shape[1]
-        aware = query_aware_blocks(q[b_idx, h_idx][None], key_means[b_idx, h_idx // group][None], gamma=gamma,
+        rows = q.flatten(0, 1).index_select(0, aware_heads)[None]
+        aware = query_aware_blocks(rows, key_means[b_idx, h_idx // group][None], gamma=gamma,
                                    block_size=block_size, scale=scale, lowest=lowest, highest=highest)[0]
         if union_vs_for_query_aware:
             aware = aware | vertical_slash[b_idx, h_idx]

@@ -9,7 +9,7 @@ import torch
 from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
 from kernels.bench_flexprefill import structured_prefill
 from kernels.block_sparse import block_sparse_attention, column_table, flexprefill_attention
-from kernels.flexprefill_estimate import estimate_block_mask, representative_lines
+from kernels.flexprefill_estimate import _cumsum, _diagonals, _largest, estimate_block_mask, representative_lines
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float16, device="cpu", seed=0):
@@ -79,6 +79,23 @@ def test_estimation_lines_match_reference():
     assert torch.allclose(lines[:, :, 0], stats.vertical, atol=1e-6)
     assert torch.allclose(lines[:, :, 1], stats.slash, atol=1e-6)
     assert torch.allclose(lines.sum(-1), torch.ones(2, 4, 2), atol=1e-5)
+
+
+def test_selection_helpers_match_their_plain_definitions():
+    x = torch.rand(3, 9000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.allclose(_cumsum(x), x.cumsum(-1))
+    flags = (x < 0.01).to(torch.int32)
+    assert torch.equal(_cumsum(flags), flags.cumsum(-1))
+    offsets = torch.rand(2, 3, 7, generator=torch.Generator().manual_seed(1)) < 0.5
+    rows, cols = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
+    expected = offsets[..., (rows - cols).clamp(min=0)] & (cols <= rows)
+    assert torch.equal(_diagonals(offsets), expected)
+    scores = torch.tensor([[0.3, 0.1, 0.3, 0.2, 0.3, 0.1]])
+    for count in range(1, 7):
+        kth = scores.sort(-1, descending=True).values[:, count - 1:count]
+        stable_prefix = scores.argsort(dim=-1, descending=True, stable=True)[:, :count]
+        expected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, stable_prefix, True)
+        assert torch.equal(_largest(scores, torch.tensor([count]), kth), expected)
 
 
 @pytest.mark.parametrize("tau,max_budget,union", [(0.0, None, False), (0.15, None, False), (1.0, None, False),
