@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.prefill_checks import check_prefill_inputs, check_selection_params
+from kernels.prefill_checks import check_block_mask, check_prefill_inputs, check_selection_params
 
 VERTICAL_SLASH = 0
 QUERY_AWARE = 1
@@ -330,13 +330,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
         ``return_lse`` also ``lse [B, Hq, N]`` (``-inf`` for such rows).
     """
     check_prefill_inputs(q, k, v)
+    check_block_mask(block_mask, q, block_size)
     b, hq, n, _ = q.shape
-    nb = -(-n // block_size)
-    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
-        raise TypeError("block_mask must be a bool tensor [B, Hq, nb, nb]")
-    if tuple(block_mask.shape) != (b, hq, nb, nb):
-        raise ValueError(f"block_mask must have shape {(b, hq, nb, nb)} for N={n}, block_size={block_size}, "
-                         f"got {tuple(block_mask.shape)}")
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)

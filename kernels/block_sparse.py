@@ -19,7 +19,7 @@ import triton
 
 from kernels.block_sparse_kernel import block_sparse_attention_kernel
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
-from kernels.prefill_checks import check_prefill_inputs
+from kernels.prefill_checks import check_block_mask, check_prefill_inputs
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -105,15 +105,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         ``out [B, Hq, N, D]`` in q's dtype, and ``lse`` on request.
     """
     _check_kernel_inputs(q, k, v, block_size, causal)
+    check_block_mask(block_mask, q, block_size)
     b, hq, n, d = q.shape
-    nb = -(-n // block_size)
-    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
-        raise TypeError("block_mask must be a bool tensor [B, Hq, nb, nb]")
-    if tuple(block_mask.shape) != (b, hq, nb, nb):
-        raise ValueError(f"block_mask must have shape {(b, hq, nb, nb)} for N={n}, block_size={block_size}, "
-                         f"got {tuple(block_mask.shape)}")
-    if block_mask.device != q.device:
-        raise ValueError(f"block_mask is on {block_mask.device} but q is on {q.device}")
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")

@@ -35,21 +35,22 @@ def _score_tile(q, k_base, key_start, positions, row_ok, seqlen, qk_scale, strid
 
 
 @triton.jit
-def _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = Q + b * stride_qb + h * stride_qh + positions[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-
-
-@triton.jit
-def _program_coords(num_kv_heads, group, row_groups, ROWS: tl.constexpr):
-    """(batch, query head, KV head, key chunk, first representative row) of this program."""
+def _program_rows(Q, K, seqlen, rows, num_kv_heads, group, row_groups, stride_qb, stride_qh, stride_qn, stride_qd,
+                  stride_kb, stride_kh, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """This program's batch, query head, key chunk, row offsets (into the R rows), their mask and
+    positions, its query rows ``[ROWS, D]`` and its KV head's key base pointer."""
     pid_rg = tl.program_id(0)
     pid_bkv = tl.program_id(2)
     b = (pid_bkv // num_kv_heads).to(tl.int64)
     kv_h = (pid_bkv % num_kv_heads).to(tl.int64)
     h = kv_h * group + pid_rg // row_groups
-    return b, h, kv_h, tl.program_id(1), (pid_rg % row_groups) * ROWS
+    offs_r = (pid_rg % row_groups) * ROWS + tl.arange(0, ROWS)
+    row_ok = offs_r < rows
+    positions = (seqlen - rows + offs_r).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + positions[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    return b, h, tl.program_id(1), offs_r, row_ok, positions, q, K + b * stride_kb + kv_h * stride_kh
 
 
 @triton.jit
@@ -60,12 +61,9 @@ def representative_row_stats_kernel(
         stride_sb, stride_sh, stride_sc, stride_sr,
         HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """MAX, SUM: ``[B, Hq, num_chunks, R]`` float32, base-2 running max and ``sum exp2(s - max)``."""
-    b, h, kv_h, pid_c, row_start = _program_coords(num_kv_heads, group, row_groups, ROWS)
-    offs_r = row_start + tl.arange(0, ROWS)
-    row_ok = offs_r < rows
-    positions = (seqlen - rows + offs_r).to(tl.int64)
-    q = _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM)
-    k_base = K + b * stride_kb + kv_h * stride_kh
+    b, h, pid_c, offs_r, row_ok, positions, q, k_base = _program_rows(
+        Q, K, seqlen, rows, num_kv_heads, group, row_groups, stride_qb, stride_qh, stride_qn, stride_qd,
+        stride_kb, stride_kh, HEAD_DIM, ROWS)
 
     start = pid_c.to(tl.int64) * keys_per_program
     end = tl.minimum(start + keys_per_program, seqlen)
@@ -94,12 +92,9 @@ def representative_line_sums_kernel(
     """LSE2: ``[B, Hq, R]`` base-2 row log-sum-exp.  VERTICAL, SLASH: ``[B, Hq, N]`` float32,
     zero-initialised, same strides; receive un-normalised column and distance sums."""
     SHEAR: tl.constexpr = ROWS + BLOCK_N
-    b, h, kv_h, pid_c, row_start = _program_coords(num_kv_heads, group, row_groups, ROWS)
-    offs_r = row_start + tl.arange(0, ROWS)
-    row_ok = offs_r < rows
-    positions = (seqlen - rows + offs_r).to(tl.int64)
-    q = _load_rows(Q, b, h, positions, row_ok, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM)
-    k_base = K + b * stride_kb + kv_h * stride_kh
+    b, h, pid_c, offs_r, row_ok, positions, q, k_base = _program_rows(
+        Q, K, seqlen, rows, num_kv_heads, group, row_groups, stride_qb, stride_qh, stride_qn, stride_qd,
+        stride_kb, stride_kh, HEAD_DIM, ROWS)
     lse2 = tl.load(LSE2 + b * stride_lb + h * stride_lh + offs_r * stride_lr, mask=row_ok, other=0.0)
     line_base = b * stride_vb + h * stride_vh
 
@@ -108,7 +103,7 @@ def representative_line_sums_kernel(
     source = local[:, None] + (BLOCK_N - 1) - offs_e[None, :]
     in_tile = (source >= 0) & (source < BLOCK_N)
     source = tl.where(in_tile, source, 0)
-    first_position = seqlen - rows + row_start
+    first_position = seqlen - rows + tl.min(offs_r, 0)
 
     start = pid_c.to(tl.int64) * keys_per_program
     end = tl.minimum(start + keys_per_program, seqlen)

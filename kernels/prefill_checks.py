@@ -52,3 +52,16 @@ def check_selection_params(gamma: float, tau: float, block_size: int, min_budget
         raise ValueError(f"budget_divisor must be None or a positive int, got {budget_divisor!r}")
     if js_eps is not None and not js_eps > 0.0:
         raise ValueError(f"js_eps must be None or > 0, got {js_eps}")
+
+
+def check_block_mask(block_mask: torch.Tensor, q: torch.Tensor, block_size: int) -> None:
+    """Raise unless ``block_mask`` is a bool ``[B, Hq, nb, nb]`` on q's device, ``nb = ceil(N / bs)``."""
+    b, hq, n, _ = q.shape
+    nb = -(-n // block_size)
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
+        raise TypeError("block_mask must be a bool tensor [B, Hq, nb, nb]")
+    if tuple(block_mask.shape) != (b, hq, nb, nb):
+        raise ValueError(f"block_mask must have shape {(b, hq, nb, nb)} for N={n}, block_size={block_size}, "
+                         f"got {tuple(block_mask.shape)}")
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device} but q is on {q.device}")
