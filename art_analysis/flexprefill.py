@@ -50,7 +50,6 @@ paper's intent:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     from ..plots.flexprefill import (latest_benchmark, plot_error_vs_gamma, plot_kept_vs_gamma,
                                      plot_latency_vs_gamma, plot_patterns)
 
+    bench = args.bench_json or latest_benchmark()
+    if bench is not None and not Path(bench).is_file():
+        raise FileNotFoundError(f"benchmark JSON {bench} does not exist")
     quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}
     if args.no_js_eps:
         quirks["js_eps"] = None
@@ -119,10 +122,7 @@ def run(args: argparse.Namespace) -> int:
     print(plot_patterns(torch.stack(js), torch.stack(aware), labels, args.tau, out / "flexprefill_patterns.png"))
     print(plot_kept_vs_gamma(kept_curves, out / "flexprefill_kept_vs_gamma.png"))
     print(plot_error_vs_gamma(error_curves, out / "flexprefill_error_vs_gamma.png"))
-    bench = args.bench_json or latest_benchmark()
     if bench is not None:
-        if not Path(bench).is_file():
-            raise FileNotFoundError(f"benchmark JSON {bench} does not exist")
         print(plot_latency_vs_gamma(json.loads(Path(bench).read_text())["rows"],
                                     out / "flexprefill_latency_vs_gamma.png"))
     if args.json:

@@ -59,8 +59,10 @@ def plot_kept_vs_gamma(curves: Mapping[str, tuple[torch.Tensor, torch.Tensor]], 
 
 
 def plot_error_vs_gamma(curves: Mapping[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path) -> Path:
-    """One line per label: ``curves[label] = (gammas [G], mean relative error vs dense [G])``."""
-    return _plot_curves(curves, path, "relative L2 error vs dense causal attention",
+    """One line per label: ``curves[label] = (gammas [G], mean relative error vs dense [G])``;
+    errors are floored at 1e-8 for the log axis (gamma = 1 can be exact)."""
+    floored = {label: (x, y.clamp(min=1e-8)) for label, (x, y) in curves.items()}
+    return _plot_curves(floored, path, "relative L2 error vs dense causal attention",
                         "FlexPrefill: output error against gamma", log=True)
 
 

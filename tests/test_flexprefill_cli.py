@@ -1,0 +1,55 @@
+"""The `art-analysis flexprefill` command, its figures, and the synthetic prefill it analyses."""
+import json
+
+import pytest
+import torch
+
+from art_analysis.cli import main
+from art_analysis.flexprefill import QUERY_AWARE, select_blocks
+from kernels.bench_flexprefill import KIND_NAMES, structured_prefill
+
+
+def test_structured_prefill_heads_get_the_pattern_their_kind_implies():
+    q, k, _ = structured_prefill(1, 8, 4, 2048, 64, seed=0, dtype=torch.float32, device="cpu")
+    selection = select_blocks(q, k, gamma=0.9, tau=0.1, block_size=64, min_budget=128)
+    kinds = [KIND_NAMES[h // 2 % len(KIND_NAMES)] for h in range(8)]
+    aware = (selection.pattern[0] == QUERY_AWARE).tolist()
+    assert aware == [kind == "topic_blocks" for kind in kinds]
+
+
+def _bench_rows():
+    rows = []
+    for n, sdpa in ((32768, 14.0), (65536, 57.0)):
+        rows.append({"data": "structured", "seqlen": n, "method": "sdpa", "ms": sdpa})
+        for gamma, ms in ((0.9, sdpa / 2), (0.95, sdpa / 1.5)):
+            rows.append({"data": "structured", "seqlen": n, "method": "flexprefill", "gamma": gamma, "ms": ms})
+    return rows
+
+
+def test_flexprefill_command_writes_table_figures_and_json(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": _bench_rows()}))
+    rows_json = tmp_path / "rows.json"
+    code = main(["flexprefill", "--heads", "4/2", "--seqlen", "256", "--head-dim", "64", "--block-size", "32",
+                 "--min-budget", "32", "--gammas", "0.5,0.9,1.0", "--bench-json", str(bench),
+                 "--out", str(tmp_path / "figs"), "--json", str(rows_json)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "kept_fraction" in printed and "synthetic" in printed
+    for name in ("patterns", "kept_vs_gamma", "error_vs_gamma", "latency_vs_gamma"):
+        assert (tmp_path / "figs" / f"flexprefill_{name}.png").stat().st_size > 0
+    rows = json.loads(rows_json.read_text())
+    assert [r["gamma"] for r in rows] == [0.5, 0.9, 1.0]
+    assert rows[-1]["kept_fraction"] == pytest.approx(1.0) and rows[-1]["rel_error"] < 1e-6
+    assert rows[0]["kept_fraction"] <= rows[1]["kept_fraction"] <= rows[2]["kept_fraction"]
+
+
+def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):
+    assert main(["flexprefill", "--heads", "4x2", "--out", str(tmp_path)]) == 2
+    assert "--heads must look like" in capsys.readouterr().err
+    assert main(["flexprefill", "--heads", "4/2", "--seqlen", "128", "--gammas", "1.5", "--block-size", "32",
+                 "--out", str(tmp_path)]) == 2
+    assert "gamma must lie in (0, 1]" in capsys.readouterr().err
+    assert main(["flexprefill", "--heads", "2/1", "--seqlen", "128", "--block-size", "32", "--out", str(tmp_path),
+                 "--bench-json", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
