@@ -4,9 +4,10 @@ No loop over heads, ``torch.unique`` or histograms: every decision is a batched 
 over ``[B, Hq, ...]``.  One host synchronisation reads which heads the pattern search made
 query-aware, so that the query-aware search (an ``nb x nb`` map per head, sorted whole:
 the dominant cost at long lengths) runs for those heads only; most heads of real models are
-vertical-slash.  It implements exactly the rules of ``art_analysis.flexprefill.select_blocks``
-(the readable reference the tests hold it to); see that module for the algorithm and for the
-upstream quirk flags.
+vertical-slash.  It implements the rules of ``art_analysis.flexprefill.select_blocks`` (the
+readable reference the tests hold it to; see that module for the algorithm and for the upstream
+quirk flags): the block masks are identical except where a coverage sum lands within float
+rounding of ``gamma``, since sums are taken in another order (two-level scans on long rows).
 """
 from __future__ import annotations
 
