@@ -28,9 +28,12 @@ dense walk ends after ``N / P`` block times, while any monitor needs ``T`` seque
 times to see convergence at step ``T``; the time floor is ``min(T, N / P)`` and the leader
 scheme attains it (followers that would restart from scratch could never stop).  The
 followers' blocks read before they see the flag are wasted traffic (at most about
-``(P - 1) T`` blocks), so at small batch ART mode caps the split count to keep the leader's
-range at least ``ART_MIN_LEADER_STEPS`` blocks long (termination stays possible there) and,
-at large batch, where one split already fills the GPU, nothing is wasted.  The measured
+``(P - 1) T`` blocks), so ART mode uses one wave of programs (``choose_num_splits``): one
+split as soon as the ``(b, kv_head)`` pairs fill the GPU (nothing wasted, the traffic saving
+becomes time), and at small batch only as many splits as fill the multiprocessors while the
+leader's range stays at least ``ART_MIN_LEADER_STEPS`` blocks long.  A stopped program
+still completes the K/V loads of its current chunk of ``ART_CHUNK`` steps (they are in flight
+in the software pipeline and are discarded), then issues no more.  The measured
 trade (loaded fraction and time against a single split) is in
 ``benchmarks/NOTES-art-decode.md``.
 
@@ -62,11 +65,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
 DEFAULT_BLOCK_SIZE = 64
 MAX_GROUP = 128
-TARGET_PROGRAMS_PER_SM = 16
+TARGET_PROGRAMS_PER_SM = 1
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 ART_MIN_LEADER_STEPS = 32
-ART_CHUNK = 8
+ART_CHUNK = 16
 COMBINE_CHUNK = 16
 
 
@@ -91,7 +94,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         num_splits: programs per ``(b, kv_head)``; default from the heuristic above.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
-        return_stats: also return ``steps [B, Hkv, splits]`` (int32): KV blocks loaded per program.
+        return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
+            program's result (for the leader that stopped: its stop step + 1, as the simulator's
+            ``stop_step + 1``); :func:`blocks_loaded` turns them into the blocks really loaded.
 
     Returns:
         ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse`` and ``steps`` when requested.
@@ -136,7 +141,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     else:
         part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
-        flag = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+        flag = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device) if art is not None else steps
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else seqlens
     if paged:
@@ -171,10 +176,38 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool) -> int:
-    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (see the module docstring)."""
-    wanted = -(-TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_heads))
-    limit = max(1, max_steps // (ART_MIN_LEADER_STEPS if art else MIN_STEPS_PER_SPLIT))
+    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (see the module docstring).
+
+    Dense: ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (one wave: on the H200 more
+    splits only added combine work and shorter pipelines, see the benchmark's split sweep), at
+    least ``MIN_STEPS_PER_SPLIT`` blocks each.  ART: one wave too, with the leader's range at
+    least ``ART_MIN_LEADER_STEPS`` blocks: a single split as soon as the ``(b, kv_head)`` pairs
+    fill the GPU, since followers' blocks loaded before the flag is seen are wasted traffic.
+    """
+    programs = batch * kv_heads
+    if art:
+        wanted = -(-_num_sms(device) // programs)
+        limit = max(1, max_steps // ART_MIN_LEADER_STEPS)
+    else:
+        wanted = -(-TARGET_PROGRAMS_PER_SM * _num_sms(device) // programs)
+        limit = max(1, max_steps // MIN_STEPS_PER_SPLIT)
     return max(1, min(wanted, limit, MAX_SPLITS))
+
+
+def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """KV blocks each program really loaded, ``[B, Hkv, splits]``, from ``art_decode``'s ``steps``.
+
+    An ART program loads whole chunks of ``ART_CHUNK`` steps of its range (the chunk in which
+    it stops is loaded to its end and the surplus discarded); a dense program loads its range.
+    ``cache_seqlens``: ``[B]`` the lengths the call used.
+    """
+    splits = steps.shape[-1]
+    num_blocks = (cache_seqlens.to(steps.device, torch.long) + block_size - 1) // block_size
+    per_split = (num_blocks + splits - 1) // splits
+    first = torch.arange(splits, device=steps.device) * per_split[:, None]
+    range_len = (num_blocks[:, None] - first).clamp(min=0).minimum(per_split[:, None])[:, None, :]
+    chunks = (steps.long() + ART_CHUNK - 1) // ART_CHUNK
+    return torch.minimum(chunks * ART_CHUNK, range_len)
 
 
 def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -14,18 +14,21 @@ as the simulator's ``mode="kernel"`` replay (``art_analysis.blockwise``)::
     m_new = max(m, max s); alpha = exp(m - m_new); p = exp(s - m_new)
     l = alpha l + sum p;  acc = alpha acc + p.to(v.dtype) @ v_blk
 
-With ``ART`` the leader split (split 0) evaluates the monitor of ``kernels.art_params``
-after every step and latches a per-head *done* bit; once every head of the group is done
-the program issues no further K/V loads (the rest of its current chunk of ``ART_CHUNK``
-steps runs fully masked, then the loop exits), and it raises the ``(b, kv_head)``
-*converged* flag in global memory.  Follower splits poll that flag between chunks and stop
-too; the combine then ignores them (see ``kernels.art_decode``).
+With ``ART`` the walk runs in chunks of ``ART_CHUNK`` steps (an inner, software-pipelined
+loop whose K/V loads do not depend on the monitor, so they can be issued stages ahead).
+The leader split (split 0) evaluates the monitor of ``kernels.art_params`` after every
+step and latches a per-head *done* bit; once every head of the group is done the state is
+frozen (the loads already in flight for the rest of the chunk are discarded), the program
+issues no K/V loads past its current chunk, and it raises the ``(b, kv_head)`` *converged*
+flag in global memory.  Follower splits poll that flag between chunks and stop too; the
+combine then ignores them (see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
 ``part_out [B, Hq, splits, D]`` and ``part_lse [B, Hq, splits]`` (fp32; ``-inf`` and zeros for
-an empty range).  Every program writes ``steps [B, Hkv, splits]`` (int32): the blocks it
-loaded.
+an empty range).  Every program writes ``steps [B, Hkv, splits]`` (int32): the steps whose
+blocks entered its state (the leader's stop step + 1 when it stopped); the blocks it loaded
+are those rounded up to whole chunks (``kernels.art_decode.blocks_loaded``).
 """
 from __future__ import annotations
 
@@ -34,19 +37,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_rows(step, num_blocks, b, kv_head, limit, table_ptr, stride_table_b, page_size,
+def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
-    """Token validity ``[BLOCK_N]`` (positions below ``limit``) and int64 row offsets of K and V for step ``step``.
-
-    ``limit`` is the sequence length, or 0 once the walk has stopped (every load masked off).
-    """
+    """Token validity ``[BLOCK_N]`` and int64 row offsets of K and V for traversal step ``step``."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
         block = step
     pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = pos < limit
+    valid = pos < seqlen
     if PAGED:
         page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // page_size, mask=valid, other=0)
         page = page.to(tl.int64)
@@ -79,17 +79,24 @@ def _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
 @triton.jit
 def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, first_counted,
                   tau, phi, patience, probe_mask,
-                  PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
-                  USE_DIRECTION: tl.constexpr):
-    """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head."""
+                  PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
+                  USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr):
+    """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head.
+
+    The output probe ``acc / l`` is never formed: its norm and dot product are the
+    accumulator's divided by ``l`` per head (no per-element division in the loop).  The two
+    sums over ``D`` are reduced together (one cross-warp exchange instead of two).
+    """
+    square = acc_new * acc_new
+    product = acc_new * acc_old
+    if PROBE_MMA:
+        square = tl.where(probe_mask, square, 0.0)
+        product = tl.where(probe_mask, product, 0.0)
+    squares, dot = tl.split(tl.sum(tl.join(square, product), 1))
+    norm = tl.sqrt_rn(squares)
     if PROBE_OUTPUT:
-        x_new = tl.math.div_rn(acc_new, l_new[:, None])
-        x_old = tl.math.div_rn(acc_old, tl.maximum(l_old, 1e-30)[:, None])
-    else:
-        x_new = acc_new
-        x_old = acc_old
-    norm = tl.sqrt_rn(tl.sum(tl.where(probe_mask, x_new * x_new, 0.0), 1))
-    dot = tl.sum(tl.where(probe_mask, x_new * x_old, 0.0), 1)
+        norm = tl.math.div_rn(norm, l_new)
+        dot = tl.math.div_rn(tl.math.div_rn(dot, l_new), tl.maximum(l_old, 1e-30))
     stable = step >= first_counted
     if USE_SCALE:
         d_scale = tl.abs(norm - norm_old)
@@ -162,20 +169,22 @@ def art_decode_split_kernel(
             for t in tl.range(step, chunk_end):
                 active = group_done == 0
                 valid, k_rows, v_rows = _block_rows(
-                    t, num_blocks, b, kv_head, tl.where(active, seqlen, 0), table_ptr, stride_table_b,
-                    page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                    t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+                    stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                     BLOCK_N, SINK_RECENCY, PAGED)
                 m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows,
                                                       sm_scale, HEAD_DIM, DOT_PRECISION)
                 norm_new, count_new, done_new = _probe_update(
                     acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
-                    probe_mask, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)
+                    probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
+                m = tl.where(active, m_new, m)
+                l = tl.where(active, l_new, l)
+                acc = tl.where(active, acc_new, acc)
                 norm = tl.where(active, norm_new, norm)
                 count = tl.where(active, count_new, count)
                 done = tl.where(active & is_leader, done_new, done)
                 visited += active.to(visited.dtype)
                 group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
-                m, l, acc = m_new, l_new, acc_new
             step = chunk_end
             if not SINGLE_SPLIT:
                 tl.store(flag_ptr + bh, 1, mask=tl.where(is_leader, group_done, 0) != 0)

@@ -9,8 +9,12 @@ with a cold L2: do_bench flushes it):
   dense mode (``art=None``), with never-terminating thresholds (``tau = phi = 0``, same split
   count: the monitor's overhead) and with the given ART thresholds;
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
-* the split study: ART at small batch with one split and with the ART split heuristic, and
-  the dense kernel over a sweep of split counts and block sizes 64 / 128.
+* the split study: ART with one split, with the ART split heuristic and with never-stopping
+  thresholds per ART chunk length; dense, never-stopping and single-split ART per launch
+  configuration (``num_warps``, ``num_stages``); and the dense kernel over a sweep of split counts and block sizes 64 / 128.
+
+Every row's ``ms`` is the median GPU time of a CUDA-graph replay of the call (``eager_ms``: the
+plain call, which also pays the host-side launch cost of the Python launcher).
 
 KV caches are structured (sink, recency, heavy hitters: a ``make_cache`` callable such as
 ``art_analysis.synthetic.synthetic_cache``, passed in by the CLI since ``kernels`` imports
@@ -41,7 +45,8 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import art_decode, choose_num_splits
+from . import art_decode as art_decode_module
+from .art_decode import art_decode, blocks_loaded, choose_num_splits
 from .art_params import ARTParams
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -50,8 +55,10 @@ QUICK_BATCHES = (1, 32)
 QUICK_LENGTHS = (8192, 32768)
 CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
-SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768), (64, 32768))
+SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
+CHUNK_SWEEP = (8, 16, 32)
+LAUNCH_SWEEP = ((2, 3), (4, 2), (4, 3), (4, 4), (8, 3))
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
@@ -65,6 +72,18 @@ def kv_bytes(k: torch.Tensor) -> int:
 def median_ms(fn: Callable[[], object], rep_ms: int) -> float:
     """``do_bench`` median in milliseconds."""
     return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object], rep_ms: int) -> float:
+    """``do_bench`` median of a CUDA-graph replay of ``fn`` (GPU time without the host launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = median_ms(graph.replay, rep_ms)
+    del graph
+    return ms
 
 
 def copy_ceiling_tb_per_s(device: torch.device) -> float:
@@ -127,9 +146,12 @@ def _peer_fns(q, k, v, flex: bool) -> dict:
     return peers
 
 
-def _loaded_fraction(steps: torch.Tensor, seqlen: int, block_size: int) -> float:
-    """KV blocks loaded (``steps [B, Hkv, splits]``) over all blocks of full-length sequences."""
-    return float(steps.sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / block_size))
+def _loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None)) -> float:
+    """KV blocks really loaded by the programs of ``splits`` (from ``art_decode``'s
+    ``steps [B, Hkv, splits]``) over all blocks of full-length sequences (block size 64)."""
+    lengths = torch.full((steps.shape[0],), seqlen, device=steps.device)
+    loaded = blocks_loaded(steps, lengths)[..., splits]
+    return float(loaded.sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / 64))
 
 
 def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False) -> list[dict]:
@@ -144,13 +166,18 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
         try:
             fn()
             torch.cuda.synchronize()
-            ms = median_ms(fn, rep_ms)
+            eager = median_ms(fn, rep_ms)
         except Exception as exc:  # a peer without a kernel for this shape is a result, not a crash
             rows.append({**base, "impl": impl, "error": f"{type(exc).__name__}: {str(exc)[:300]}", **extra})
             torch.cuda.synchronize()
             return None
-        rows.append({**base, "impl": impl, "ms": ms, "tb_per_s": nbytes / ms / 1e9,
-                     "fraction_of_copy_ceiling": nbytes / ms / 1e9 / ceiling, **extra})
+        try:
+            ms, timing = graph_ms(fn, rep_ms), "cuda_graph"
+        except Exception as exc:  # not capturable: keep the eager time and say why
+            ms, timing = eager, f"eager ({type(exc).__name__}: {str(exc)[:120]})"
+            torch.cuda.synchronize()
+        rows.append({**base, "impl": impl, "ms": ms, "eager_ms": eager, "timing": timing,
+                     "tb_per_s": nbytes / ms / 1e9, "fraction_of_copy_ceiling": nbytes / ms / 1e9 / ceiling, **extra})
         return ms
 
     reference = None
@@ -168,7 +195,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits)
     art_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=True)
     _, steps = art_decode(q, k, v, art=art, return_stats=True)
-    loaded = _loaded_fraction(steps, seqlen, 64)
+    loaded = _loaded_fraction(steps, seqlen)
     ms = add("art", lambda: art_decode(q, k, v, art=art), num_splits=art_splits, loaded_fraction=loaded)
     if ms is not None and dense_ms is not None:
         rows[-1]["time_bound_ms"] = 1.15 * loaded * dense_ms + 0.010
@@ -190,21 +217,40 @@ def _speedups(rows: list[dict]) -> None:
 
 
 def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
-    """ART with one split vs the ART split heuristic, and dense over a sweep of split counts."""
-    batch, seqlen = q.shape[0], k.shape[2]
+    """ART with one split vs the ART split heuristic, the ART chunk length, and dense over a sweep of
+    split counts and block sizes (CUDA-graph times)."""
+    batch, kv_heads, seqlen = q.shape[0], k.shape[1], k.shape[2]
     base = dict(batch=batch, seqlen=seqlen)
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=False)
     rows = []
-    for label, splits in (("art_single_split", 1), ("art_heuristic", None)):
-        _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
-        rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
-                     "loaded_fraction": _loaded_fraction(steps, seqlen, 64),
-                     "leader_loaded_fraction": _loaded_fraction(steps[..., :1], seqlen, 64),
-                     "ms": median_ms(lambda: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
+    default_chunk = art_decode_module.ART_CHUNK
+    for chunk in CHUNK_SWEEP:
+        art_decode_module.ART_CHUNK = chunk
+        try:
+            for label, params, splits in (("art_single_split", art, 1), ("art_heuristic", art, None),
+                                          ("art_never", NEVER, dense_splits)):
+                _, steps = art_decode(q, k, v, art=params, num_splits=splits, return_stats=True)
+                rows.append({**base, "impl": label, "art_chunk": chunk, "num_splits": steps.shape[-1],
+                             "loaded_fraction": _loaded_fraction(steps, seqlen),
+                             "leader_loaded_fraction": _loaded_fraction(steps, seqlen, slice(0, 1)),
+                             "ms": graph_ms(lambda: art_decode(q, k, v, art=params, num_splits=splits), rep_ms)})
+        finally:
+            art_decode_module.ART_CHUNK = default_chunk
+    default_config = art_decode_module._launch_config
+    for warps, stages in LAUNCH_SWEEP:
+        art_decode_module._launch_config = lambda device, config=(warps, stages): config
+        try:
+            for label, params, splits in (("art_dense", None, None), ("art_never", NEVER, dense_splits),
+                                          ("art_single_split", art, 1)):
+                rows.append({**base, "impl": label, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                             "ms": graph_ms(lambda: art_decode(q, k, v, art=params, num_splits=splits), rep_ms)})
+        finally:
+            art_decode_module._launch_config = default_config
     for block_size in (64, 128):
         for splits in SPLIT_SWEEP:
             rows.append({**base, "impl": "art_dense", "block_size": block_size, "num_splits": splits,
-                         "ms": median_ms(lambda: art_decode(q, k, v, block_size=block_size, num_splits=splits),
-                                         rep_ms)})
+                         "ms": graph_ms(lambda: art_decode(q, k, v, block_size=block_size, num_splits=splits),
+                                        rep_ms)})
     return rows
 
 
@@ -279,6 +325,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         cases += [("smollm2_layer15_tiled", b, s) for s in lengths for b in (QUICK_BATCHES if quick else CAPTURE_BATCHES)]
     payload["skipped"] = [dict(batch=b, seqlen=s, reason=f"KV cache over {MAX_KV_BYTES / 2 ** 30:.0f} GiB")
                           for s in lengths for b in batches if 2 * b * KV_HEADS * s * HEAD_DIM * 2 > MAX_KV_BYTES]
+    path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json"
     rows, study, sequences = [], [], {}
     for data, batch, seqlen in tqdm(cases, desc="decode bench"):
         if data == "synthetic":
@@ -294,8 +341,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
             study += [{"data": data, **r} for r in split_study(q, k, v, art=art, rep_ms=rep_ms)]
         del q, k, v
         torch.cuda.empty_cache()
-    payload["rows"] = rows
-    payload["split_study"] = study
-    payload["summary"] = summarise(rows, ceiling)
-    _write_json(Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json", payload)
+        _write_json(path, {**payload, "rows": rows, "split_study": study, "complete": False})
+    payload.update(rows=rows, split_study=study, complete=True, summary=summarise(rows, ceiling))
+    _write_json(path, payload)
     return payload
