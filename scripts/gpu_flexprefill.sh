@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # FlexPrefill on one CUDA GPU: the bf16 correctness tests at real sizes (pytest -m gpu), then the
 # benchmark.  Logs and the JSON go to $OUT when set (the device runner), else benchmarks/results.
-# A captured layer (.carry/smollm2_prefill.safetensors, keys q15/k15/v15) is benchmarked too when present.
+# A captured layer (.carry/smollm2_prefill.safetensors, keys q15/k15/v15) is benchmarked too when present;
+# make it with `art-analysis capture --prefill-layers 0,15,29 ...` and then
+# `art-analysis flexprefill --capture DIR --export-prefill .carry/smollm2_prefill.safetensors`
+# (the run used a 4096-token stdlib context).
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 mkdir -p "$out_dir"

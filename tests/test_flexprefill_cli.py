@@ -6,7 +6,7 @@ import torch
 
 from art_analysis.cli import main
 from art_analysis.flexprefill import QUERY_AWARE, select_blocks
-from kernels.bench_flexprefill import KIND_NAMES, structured_prefill
+from kernels.bench_flexprefill import KIND_NAMES, structured_prefill, tiled_capture
 
 
 def test_structured_prefill_heads_get_the_pattern_their_kind_implies():
@@ -30,9 +30,10 @@ def test_flexprefill_command_writes_table_figures_and_json(tmp_path, capsys):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"rows": _bench_rows()}))
     rows_json = tmp_path / "rows.json"
+    exported = tmp_path / "prefill.safetensors"
     code = main(["flexprefill", "--heads", "4/2", "--seqlen", "256", "--head-dim", "64", "--block-size", "32",
                  "--min-budget", "32", "--gammas", "0.5,0.9,1.0", "--bench-json", str(bench),
-                 "--out", str(tmp_path / "figs"), "--json", str(rows_json)])
+                 "--out", str(tmp_path / "figs"), "--json", str(rows_json), "--export-prefill", str(exported)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "kept_fraction" in printed and "synthetic" in printed
@@ -42,6 +43,9 @@ def test_flexprefill_command_writes_table_figures_and_json(tmp_path, capsys):
     assert [r["gamma"] for r in rows] == [0.5, 0.9, 1.0]
     assert rows[-1]["kept_fraction"] == pytest.approx(1.0) and rows[-1]["rel_error"] < 1e-6
     assert rows[0]["kept_fraction"] <= rows[1]["kept_fraction"] <= rows[2]["kept_fraction"]
+    q, k, v = tiled_capture(exported, 0, 600, device="cpu")
+    assert q.shape == (1, 4, 600, 64) and k.shape == v.shape == (1, 2, 600, 64) and q.dtype == torch.bfloat16
+    assert torch.equal(q[:, :, 256:512], q[:, :, :256]) and torch.equal(k[:, :, 512:], k[:, :, :88])
 
 
 def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):

@@ -60,11 +60,23 @@ def register(subparsers) -> None:
     parser.add_argument("--bench-json", type=Path, default=None, help="GPU benchmark JSON for the latency figure")
     parser.add_argument("--out", type=Path, default=Path("figures"), help="folder for the figures")
     parser.add_argument("--json", type=Path, help="also write the table rows as JSON here")
+    parser.add_argument("--export-prefill", type=Path, default=None,
+                        help="also write the inputs' q, k, v as bf16 safetensors (keys q<L>, k<L>, v<L>) for "
+                             "`python -m kernels.bench_flexprefill --capture FILE --capture-layer L`")
     parser.set_defaults(func=run)
 
 
+def _export(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
 def _inputs(args):
-    """Yield ``(label, q [B,Hq,N,D], k, v [B,Hkv,N,D])``."""
+    """Yield ``(label, layer, q [B,Hq,N,D], k, v [B,Hkv,N,D])``."""
     if args.capture is not None:
         from ..capture import KVCapture
 
@@ -80,7 +92,7 @@ def _inputs(args):
             q = capture.prefill_queries(layer).float()
             _, k, v = capture.layer(layer)
             n = q.shape[2]
-            yield f"layer {layer}", q, k[:, :, :n].float(), v[:, :, :n].float()
+            yield f"layer {layer}", layer, q, k[:, :, :n].float(), v[:, :, :n].float()
         return
     from kernels.bench_flexprefill import structured_prefill
 
@@ -90,7 +102,7 @@ def _inputs(args):
         raise ValueError(f"--heads must look like 8/4 (query/KV heads), got {args.heads!r}") from None
     q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
                                  dtype=torch.float32, device="cpu")
-    yield "synthetic", q, k, v
+    yield "synthetic", 0, q, k, v
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
     quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}
     if args.no_js_eps:
         quirks["js_eps"] = None
-    rows, labels, js, aware, kept_curves, error_curves = [], [], [], [], {}, {}
-    for label, q, k, v in _inputs(args):
+    rows, labels, js, aware, kept_curves, error_curves, exported = [], [], [], [], {}, {}, {}
+    for label, layer, q, k, v in _inputs(args):
+        if args.export_prefill:
+            exported.update({f"q{layer}": q, f"k{layer}": k, f"v{layer}": v})
         sweep = gamma_sweep(q, k, v, args.gammas, tau=args.tau, block_size=args.block_size,
                             min_budget=args.min_budget, max_budget=args.max_budget, **quirks)
         query_aware = sweep.pattern == QUERY_AWARE
@@ -125,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if bench is not None:
         print(plot_latency_vs_gamma(json.loads(Path(bench).read_text())["rows"],
                                     out / "flexprefill_latency_vs_gamma.png"))
+    if args.export_prefill:
+        _export(args.export_prefill, exported)
+        print(args.export_prefill)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as tmp:
