@@ -63,7 +63,8 @@ ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
-DEFAULT_BLOCK_SIZE = 64
+ART_BLOCK_SIZE = 64
+DENSE_BLOCK_SIZE = 128
 MAX_GROUP = 128
 TARGET_PROGRAMS_PER_SM = 1
 MIN_STEPS_PER_SPLIT = 4
@@ -90,7 +91,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         sm_scale: softmax scale, default ``D ** -0.5``.
         art: monitor settings, or ``None`` for dense attention.
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
-        block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default 64.
+        block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
+            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, ``DENSE_BLOCK_SIZE``
+            (128, the faster tile on the H200) without.
         num_splits: programs per ``(b, kv_head)``; default from the heuristic above.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
@@ -113,7 +116,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         raise ValueError(f"at most {MAX_GROUP} query heads per KV head are supported, got {group}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS} in the kernel, got {order!r}")
-    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if block_size is None:
+        block_size = DENSE_BLOCK_SIZE if art is None else ART_BLOCK_SIZE
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if art is not None and not isinstance(art, ARTParams):
@@ -194,7 +198,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     return max(1, min(wanted, limit, MAX_SPLITS))
 
 
-def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = ART_BLOCK_SIZE) -> torch.Tensor:
     """KV blocks each program really loaded, ``[B, Hkv, splits]``, from ``art_decode``'s ``steps``.
 
     An ART program loads whole chunks of ``ART_CHUNK`` steps of its range (the chunk in which

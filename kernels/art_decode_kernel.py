@@ -84,8 +84,12 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head.
 
     The output probe ``acc / l`` is never formed: its norm and dot product are the
-    accumulator's divided by ``l`` per head (no per-element division in the loop).  The two
-    sums over ``D`` are reduced together (one cross-warp exchange instead of two).
+    accumulator's scaled by ``1 / l`` per head, and the two sums over ``D`` are reduced
+    together (one cross-warp exchange).  The tests are evaluated without division, which
+    is what the step's latency is made of::
+
+        d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
+        d_dir   < phi  <=>  dot > (1 - phi) * max(n * n_old, 1e-30)
     """
     square = acc_new * acc_new
     product = acc_new * acc_old
@@ -95,17 +99,18 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     squares, dot = tl.split(tl.sum(tl.join(square, product), 1))
     norm = tl.sqrt_rn(squares)
     if PROBE_OUTPUT:
-        norm = tl.math.div_rn(norm, l_new)
-        dot = tl.math.div_rn(tl.math.div_rn(dot, l_new), tl.maximum(l_old, 1e-30))
+        inv_l = 1.0 / l_new
+        norm = norm * inv_l
+        dot = dot * inv_l / tl.maximum(l_old, 1e-30)
     stable = step >= first_counted
     if USE_SCALE:
-        d_scale = tl.abs(norm - norm_old)
+        change = tl.abs(norm - norm_old)
         if RELATIVE:
-            d_scale = tl.math.div_rn(d_scale, tl.maximum(norm_old, 1e-30))
-        stable = stable & (d_scale < tau)
+            stable = stable & (change < tau * tl.maximum(norm_old, 1e-30))
+        else:
+            stable = stable & (change < tau)
     if USE_DIRECTION:
-        d_dir = 1.0 - tl.math.div_rn(dot, tl.maximum(norm * norm_old, 1e-30))
-        stable = stable & (d_dir < phi)
+        stable = stable & (dot > (1.0 - phi) * tl.maximum(norm * norm_old, 1e-30))
     count = tl.where(stable, count + 1, 0)
     done = done | (count >= patience).to(tl.int32)
     return norm, count, done

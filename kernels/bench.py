@@ -6,8 +6,9 @@ with a cold L2: do_bench flushes it):
 * the copy-bandwidth ceiling (bytes read + written of a 1 GiB copy);
 * per ``(B, S)`` with ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16: the peers cuDNN SDPA, flash
   SDPA and FlexAttention decode (where it compiles; failures are recorded), this kernel in
-  dense mode (``art=None``), with never-terminating thresholds (``tau = phi = 0``, same split
-  count: the monitor's overhead) and with the given ART thresholds;
+  dense mode (``art=None``, its default block size 128), dense at the monitor's block size 64
+  and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
+  the monitor's overhead), and with the given ART thresholds;
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split, with the ART split heuristic and with never-stopping
   thresholds per ART chunk length; dense, never-stopping and single-split ART per launch
@@ -45,8 +46,7 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from . import art_decode as art_decode_module
-from .art_decode import art_decode, blocks_loaded, choose_num_splits
+from .art_decode import ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits
 from .art_params import ARTParams
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -57,8 +57,6 @@ CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
 SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
-CHUNK_SWEEP = (8, 16, 32)
-LAUNCH_SWEEP = ((2, 3), (4, 2), (4, 3), (4, 4), (8, 3))
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
@@ -187,12 +185,16 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             continue
         if add(name, fn) is not None and reference is None:
             reference = fn().squeeze(2).float()
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=False)
-    dense_ms = add("art_dense", lambda: art_decode(q, k, v), num_splits=splits)
-    if reference is not None:
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=False)
+    dense_ms = add("art_dense", lambda: art_decode(q, k, v), num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE)
+    if reference is not None and dense_ms is not None:
         out = art_decode(q, k, v).float()
         rows[-1]["rel_error_vs_peer"] = float((out - reference).norm() / reference.norm())
-    add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits)
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False)
+    add("art_dense_bs64", lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits),
+        num_splits=splits, block_size=ART_BLOCK_SIZE)
+    add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits,
+        block_size=ART_BLOCK_SIZE)
     art_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=True)
     _, steps = art_decode(q, k, v, art=art, return_stats=True)
     loaded = _loaded_fraction(steps, seqlen)
@@ -217,35 +219,17 @@ def _speedups(rows: list[dict]) -> None:
 
 
 def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
-    """ART with one split vs the ART split heuristic, the ART chunk length, and dense over a sweep of
-    split counts and block sizes (CUDA-graph times)."""
-    batch, kv_heads, seqlen = q.shape[0], k.shape[1], k.shape[2]
+    """ART with one split vs the ART split heuristic (loaded fractions of all programs and of the
+    leader), and dense over a sweep of split counts and block sizes (CUDA-graph times)."""
+    batch, seqlen = q.shape[0], k.shape[2]
     base = dict(batch=batch, seqlen=seqlen)
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / 64), q.device, art=False)
     rows = []
-    default_chunk = art_decode_module.ART_CHUNK
-    for chunk in CHUNK_SWEEP:
-        art_decode_module.ART_CHUNK = chunk
-        try:
-            for label, params, splits in (("art_single_split", art, 1), ("art_heuristic", art, None),
-                                          ("art_never", NEVER, dense_splits)):
-                _, steps = art_decode(q, k, v, art=params, num_splits=splits, return_stats=True)
-                rows.append({**base, "impl": label, "art_chunk": chunk, "num_splits": steps.shape[-1],
-                             "loaded_fraction": _loaded_fraction(steps, seqlen),
-                             "leader_loaded_fraction": _loaded_fraction(steps, seqlen, slice(0, 1)),
-                             "ms": graph_ms(lambda: art_decode(q, k, v, art=params, num_splits=splits), rep_ms)})
-        finally:
-            art_decode_module.ART_CHUNK = default_chunk
-    default_config = art_decode_module._launch_config
-    for warps, stages in LAUNCH_SWEEP:
-        art_decode_module._launch_config = lambda device, config=(warps, stages): config
-        try:
-            for label, params, splits in (("art_dense", None, None), ("art_never", NEVER, dense_splits),
-                                          ("art_single_split", art, 1)):
-                rows.append({**base, "impl": label, "num_warps": warps, "num_stages": stages, "num_splits": splits,
-                             "ms": graph_ms(lambda: art_decode(q, k, v, art=params, num_splits=splits), rep_ms)})
-        finally:
-            art_decode_module._launch_config = default_config
+    for label, splits in (("art_single_split", 1), ("art_heuristic", None)):
+        _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
+        rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
+                     "loaded_fraction": _loaded_fraction(steps, seqlen),
+                     "leader_loaded_fraction": _loaded_fraction(steps, seqlen, slice(0, 1)),
+                     "ms": graph_ms(lambda: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
     for block_size in (64, 128):
         for splits in SPLIT_SWEEP:
             rows.append({**base, "impl": "art_dense", "block_size": block_size, "num_splits": splits,
@@ -265,8 +249,8 @@ def summarise(rows: list[dict], ceiling: float) -> dict:
         peers = [impls[p] for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention") if p in impls]
         if data == "synthetic" and batch >= 16 and peers and "art_dense" in impls:
             dense_ratio.append(min(peers) / impls["art_dense"])
-        if "art_never" in impls and "art_dense" in impls:
-            overhead.append(impls["art_never"] / impls["art_dense"] - 1)
+        if "art_never" in impls and "art_dense_bs64" in impls:
+            overhead.append(impls["art_never"] / impls["art_dense_bs64"] - 1)
         if data == "synthetic" and batch == 1 and seqlen == 32768 and peers and "art_dense" in impls:
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]

@@ -138,17 +138,17 @@ ART_CONFIGS = (
 )
 
 
-@pytest.mark.parametrize("dtype, dim, q_heads, kv_heads, order, splits", [
-    (torch.float16, 64, 3, 3, "sink_recency", 1),
-    (torch.float16, 64, 6, 2, "sequential", 3),
-    (torch.float16, 128, 10, 2, "sink_recency", 4),
-    (torch.float16, 64, 16, 2, "sink_recency", 2),
-    (torch.float32, 128, 8, 2, "sequential", 1),
-    (torch.float32, 64, 4, 4, "sink_recency", 5),
+@pytest.mark.parametrize("dtype, dim, q_heads, kv_heads, order, splits, block_size", [
+    (torch.float16, 64, 3, 3, "sink_recency", 1, None),
+    (torch.float16, 64, 6, 2, "sequential", 3, 64),
+    (torch.float16, 128, 10, 2, "sink_recency", 4, None),
+    (torch.float16, 64, 16, 2, "sink_recency", 2, 32),
+    (torch.float32, 128, 8, 2, "sequential", 1, 64),
+    (torch.float32, 64, 4, 4, "sink_recency", 5, 16),
 ])
-def test_dense_output_within_flash_oracle(dtype, dim, q_heads, kv_heads, order, splits):
+def test_dense_output_within_flash_oracle(dtype, dim, q_heads, kv_heads, order, splits, block_size):
     q, k, v = synthetic_inputs(2, q_heads, kv_heads, 700, dim, dtype, CPU, seed=dim + q_heads)
-    out, lse = art_decode(q, k, v, order=order, num_splits=splits, return_lse=True)
+    out, lse = art_decode(q, k, v, order=order, num_splits=splits, block_size=block_size, return_lse=True)
     assert out.dtype == dtype and out.shape == q.shape
     assert_within_flash_oracle(out, q, k, v)
     scores = torch.einsum("bhd,bhsd->bhs", q.double(), k.double().repeat_interleave(q_heads // kv_heads, 1))
@@ -179,7 +179,7 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     config = ARTConfig(tau=1e-3, phi=1e-4, patience=3)
     expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
     single = art_decode(q, k, v, art=config.kernel_params(), num_splits=1)
-    dense = art_decode(q, k, v, num_splits=2)
+    dense = art_decode(q, k, v, num_splits=2, block_size=64)
     out, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=2, return_stats=True)
     leader_stopped = expected <= 12
     assert leader_stopped.any() and (~leader_stopped).any(), "the case must cover both outcomes"
@@ -197,7 +197,8 @@ def test_zero_thresholds_are_bit_identical_to_dense(splits):
 
     q, k, v = synthetic_inputs(2, 6, 2, 900, 64, torch.float16, CPU, seed=11)
     seqlens = torch.tensor([900, 517], dtype=torch.int32)
-    dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True, return_stats=True)
+    dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, block_size=64, return_lse=True,
+                       return_stats=True)
     never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
                        return_lse=True, return_stats=True)
     for a, b in zip(dense, never):
@@ -228,7 +229,7 @@ def test_ragged_lengths_and_shuffled_pages(art):
     lengths = torch.tensor([1, 63, 65, 1027], dtype=torch.int32)
     q, k, v = synthetic_inputs(4, 4, 2, 1027, 64, torch.float16, CPU, seed=13)
     params = None if art is None else art.kernel_params()
-    contiguous, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=2,
+    contiguous, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=2, block_size=64,
                                         return_lse=True, return_stats=True)
     if art is None:
         assert_within_flash_oracle(contiguous, q, k, v, lengths)
@@ -241,7 +242,7 @@ def test_ragged_lengths_and_shuffled_pages(art):
     for page_size in (1, 16):
         k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params,
-                           num_splits=2, return_lse=True, return_stats=True)
+                           num_splits=2, block_size=64, return_lse=True, return_stats=True)
         for a, b in zip(paged, (contiguous, lse, steps)):
             assert torch.equal(a, b)
 
@@ -282,7 +283,8 @@ def test_gpu_zero_thresholds_bit_identical_and_fully_written(monkeypatch):
     monkeypatch.setattr(art_decode_module, "_scratch", lambda shape, dtype, device: torch.full(
         shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
     for splits in (1, 7, 32):
-        dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True, return_stats=True)
+        dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, block_size=64, return_lse=True,
+                           return_stats=True)
         never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
                            return_lse=True, return_stats=True)
         assert torch.isfinite(dense[0]).all() and torch.isfinite(dense[1]).all()
