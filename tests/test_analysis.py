@@ -89,6 +89,8 @@ def test_reproduce_quick_writes_report_and_figures(tmp_path, capsys):
     assert "## Threshold sensitivity" in report and "synthetic-realistic" in report
     results = json.loads((tmp_path / "reproduce.json").read_text())
     assert set(results["convergence"]) == {"sequential", "recency", "sink_recency"}
-    for name in ("convergence.png", "sensitivity.png", "misalignment.png"):
+    assert "## FlexPrefill" in report and results["flexprefill"][0]["input"] == "synthetic"
+    for name in ("convergence.png", "sensitivity.png", "misalignment.png", "flexprefill_patterns.png",
+                 "flexprefill_kept_vs_gamma.png", "flexprefill_error_vs_gamma.png"):
         assert (tmp_path / name).stat().st_size > 10_000
     assert not list(tmp_path.glob(".*tmp*"))

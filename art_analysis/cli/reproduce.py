@@ -28,6 +28,8 @@ from ..plots.sensitivity import plot_threshold_tradeoff
 from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
+from . import build_parser
+from .flexprefill import COLUMNS as FLEXPREFILL_COLUMNS, FORMATS as FLEXPREFILL_FORMATS
 from ..termination import ARTConfig, stop
 
 ORDERS = ("sequential", "recency", "sink_recency")
@@ -55,8 +57,14 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     context = args.context or (1024 if args.quick else 4096)
     sources: dict[str, list] = {}
-    if not args.synthetic_only:
-        sources["smollm2"] = _model_inputs(args, context)
+    flexprefill_json = args.out / "flexprefill.json"
+    flexprefill_args = ["flexprefill", "--out", str(args.out), "--json", str(flexprefill_json)]
+    if args.synthetic_only:
+        flexprefill_args += ["--seqlen", str(context)]
+    else:
+        capture, folder = _model_capture(args, context)
+        sources["smollm2"] = _decode_inputs(capture)
+        flexprefill_args += ["--capture", str(folder)]
     seqlen = 2048 if args.quick else 8192
     for preset in PRESETS:
         cache = synthetic_cache(1, 32, 8, seqlen, 128, preset=preset, seed=0)
@@ -98,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         misalignment=plot_score_vs_contribution(score[0], contribution[0], out / "misalignment.png",
                                                 title=f"Score vs contribution ({main_source}, middle layer)"),
     )
+    print("\nFlexPrefill block selection against gamma")
+    flexprefill = build_parser().parse_args(flexprefill_args)
+    flexprefill.func(flexprefill)
     results = dict(date=datetime.date.today().isoformat(), host=platform.node(), torch=torch.__version__,
                    context=context, block_size=args.block_size, main_source=main_source,
                    error_bound=ERROR_BOUND, chosen=chosen,
@@ -105,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                    summaries=summaries, sensitivity=grid,
                    convergence={o: e.tolist() for o, (_, e) in convergence.items()},
                    misaligned_fraction=misaligned.tolist(), bounds=bounds, composition=composition,
+                   flexprefill=json.loads(flexprefill_json.read_text()),
                    figures={k: str(p) for k, p in figures.items()})
     _write_atomic(out / "reproduce.json", json.dumps(results, indent=2) + "\n")
     _write_atomic(out / "REPORT.md", _report(results, fractions))
@@ -117,25 +129,33 @@ def run(args: argparse.Namespace) -> int:
           f"tau={chosen['tau']:g} phi={chosen['phi']:g} patience={chosen['patience']} "
           f"(loaded {chosen['loaded_fraction']:.3f}); ARTConfig() uses tau={defaults.tau:g} "
           f"phi={defaults.phi:g} patience={defaults.patience}")
-    print(f"wrote {out / 'REPORT.md'}, {out / 'reproduce.json'} and {len(figures)} figures")
+    print(f"wrote {out / 'REPORT.md'}, {out / 'reproduce.json'} and the figures in {out}")
     return 0
 
 
-def _model_inputs(args: argparse.Namespace, context: int) -> list:
-    """Capture (or reuse) the model's KV cache; one input per layer at the last decode step:
-    ``(q, k, v, cache_seqlens, decode queries so far, layer, num_layers)``."""
-    from ..capture import KVCapture, capture_kv
+def _model_capture(args: argparse.Namespace, context: int):
+    """Capture the model (or reuse an earlier capture with the same settings): KV caches, decode
+    queries, and the prefill queries of the first, middle and last layers (for FlexPrefill)."""
+    from ..capture import KVCapture, capture_kv, model_dims
     from ..corpus import long_text
+    from ..models import load_model
 
-    folder = args.captures / f"reproduce-{Path(str(args.model)).stem}-stdlib-{context}-{args.decode_steps}"
+    folder = args.captures / f"reproduce-{Path(str(args.model)).stem}-stdlib-c{context}-d{args.decode_steps}-prefill"
     if folder.exists():
-        capture = KVCapture.load(folder)
-    else:
-        # About 3-4 characters a token for source code; ask for comfortably more text.
-        text = long_text("stdlib", seed=0, length=8 * context)
-        capture = capture_kv(args.model, text=text, context_tokens=context, decode_steps=args.decode_steps,
-                             source=dict(corpus="stdlib", seed=0))
-        capture.save(folder)
+        return KVCapture.load(folder), folder
+    loaded = load_model(args.model)
+    layers = model_dims(loaded.model)["num_layers"]
+    # About 3-4 characters a token for source code; ask for comfortably more text.
+    text = long_text("stdlib", seed=0, length=8 * context)
+    capture = capture_kv(loaded, text=text, context_tokens=context, decode_steps=args.decode_steps,
+                         prefill_layers=sorted({0, layers // 2, layers - 1}), source=dict(corpus="stdlib", seed=0))
+    capture.save(folder)
+    return capture, folder
+
+
+def _decode_inputs(capture) -> list:
+    """One input per layer at the last decode step:
+    ``(q, k, v, cache_seqlens, decode queries so far, layer, num_layers)``."""
     step = capture.decode_steps - 1
     inputs = []
     for layer in capture.layers:
@@ -218,6 +238,15 @@ def _report(results: dict, fractions: torch.Tensor) -> str:
         "",
         "```",
         format_table(results["composition"], COMPOSITION_COLUMNS, COMPOSITION_FORMATS),
+        "```",
+        "",
+        "## FlexPrefill: kept tiles and error against gamma",
+        "",
+        "Block selection by attention mass alone (the key-centric peer), on the recorded prefill layers "
+        "(`flexprefill_*.png`; the latency figure is drawn from the newest GPU benchmark JSON):",
+        "",
+        "```",
+        format_table(results["flexprefill"], FLEXPREFILL_COLUMNS, FLEXPREFILL_FORMATS),
         "```",
         "",
     ]
