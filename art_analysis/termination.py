@@ -41,6 +41,11 @@ GROUPS = ("all", "head")
 _TINY = 1e-30
 
 
+def _check_group(group: str) -> None:
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+
+
 def mma_probe_dims(head_dim: int) -> torch.Tensor:
     """Head dims one thread holds of an ``m16n8k16`` fp32 accumulator: ``d % 8 in {0, 1}`` (``D/4`` dims)."""
     dims = torch.arange(head_dim)
@@ -99,8 +104,7 @@ class ARTConfig:
                              f"got {self.probe_dims!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        _check_group(self.group)
         if not (self.use_scale or self.use_direction):
             raise ValueError("at least one of use_scale and use_direction must be True")
 
@@ -146,8 +150,7 @@ class Oracle:
     def __post_init__(self) -> None:
         if not self.eps >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        _check_group(self.group)
 
     @property
     def name(self) -> str:
@@ -164,8 +167,7 @@ class MassCoverage:
     def __post_init__(self) -> None:
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must lie in (0, 1], got {self.gamma!r}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        _check_group(self.group)
 
     @property
     def name(self) -> str:

@@ -174,7 +174,8 @@ def _bounds_summary(traces: list, inputs: list, rule: ARTConfig) -> dict:
     summary = {f"{name}_mean": float(values.mean()) for name, values in pooled.items()}
     summary.update(rule=rule.name, truncated_heads=int(truncated.sum()), heads=int(truncated.numel()),
                    identity_residual_max=float(pooled["identity_residual"].max()),
-                   certified_le_0_05=float((pooled["bound_certified"] <= 0.05).double().mean()))
+                   certified_le_0_05=float((pooled["bound_certified"][truncated] <= 0.05).double().mean())
+                   if truncated.any() else float("nan"))
     return summary
 
 
@@ -228,10 +229,11 @@ def _report(results: dict, fractions: torch.Tensor) -> str:
         "## Truncation error and its bounds",
         "",
         f"At the stops of `{results['bounds']['rule']}` ({results['bounds']['truncated_heads']} of "
-        f"{results['bounds']['heads']} heads truncated): mean error {results['bounds']['error_mean']:.3e}, "
+        f"{results['bounds']['heads']} heads truncated), averaged over all heads: absolute error "
+        f"||O_full - O^(t)|| {results['bounds']['error_mean']:.3e}, "
         f"mean exact bound rho_R(||Obar_R|| + ||O^(t)||) {results['bounds']['bound_mean_mean']:.3e}, mean certified "
         f"bound from per-block key min/max {results['bounds']['bound_certified_mean']:.3e}; the certified bound "
-        f"is at most 0.05 for {results['bounds']['certified_le_0_05']:.1%} of heads. The identity "
+        f"is at most 0.05 for {results['bounds']['certified_le_0_05']:.1%} of the truncated heads. The identity "
         f"O_full - O^(t) = rho_R (Obar_R - O^(t)) holds to {results['bounds']['identity_residual_max']:.1e}.",
         "",
         "## KV-selection policies followed by ART",

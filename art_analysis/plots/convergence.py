@@ -7,7 +7,7 @@ from typing import Mapping
 import matplotlib.pyplot as plt
 import torch
 
-from .figure_io import save_figure
+from .figure_io import finish_log_axes, save_figure
 
 
 def plot_error_vs_loaded(curves: Mapping[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path,
@@ -16,12 +16,7 @@ def plot_error_vs_loaded(curves: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, (fractions, error) in curves.items():
         ax.plot(fractions.numpy(), error.clamp(min=1e-8).numpy(), label=label)
-    ax.set_yscale("log")
-    ax.set_xlabel("fraction of the KV cache loaded")
-    ax.set_ylabel("mean relative L2 error of O^(t)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    finish_log_axes(ax, "fraction of the KV cache loaded", "mean relative L2 error of O^(t)", title)
     return save_figure(fig, path)
 
 

@@ -19,3 +19,13 @@ def save_figure(fig, path: str | Path) -> Path:
     os.replace(tmp, path)
     plt.close(fig)
     return path
+
+
+def finish_log_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Log-scale y axis, labels, title, a light grid and a small legend."""
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import matplotlib.pyplot as plt
 
-from .figure_io import save_figure
+from .figure_io import finish_log_axes, save_figure
 
 
 def plot_threshold_tradeoff(rows: Sequence[dict], path: str | Path, chosen: dict | None = None,
@@ -24,12 +24,7 @@ def plot_threshold_tradeoff(rows: Sequence[dict], path: str | Path, chosen: dict
     if chosen is not None:
         ax.scatter([chosen["loaded_fraction"]], [max(chosen["rel_error_p99"], 1e-8)], marker="*", s=200,
                    color="black", label=f"chosen tau={chosen['tau']:g} phi={chosen['phi']:g} p={chosen['patience']}")
-    ax.set_yscale("log")
-    ax.set_xlabel("mean fraction of the KV cache loaded")
-    ax.set_ylabel("99th percentile relative error")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    finish_log_axes(ax, "mean fraction of the KV cache loaded", "99th percentile relative error", title)
     return save_figure(fig, path)
 
 
