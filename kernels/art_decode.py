@@ -20,31 +20,40 @@ raises a per-``(b, kv_head)`` *converged* flag in global memory; the *followers*
 keeps the leader alone, so the output is the simulator's truncated output whatever the
 timing (deterministic).  If the leader reaches the end of its range without converging, the
 followers have covered the rest and the combine merges everything: the dense output
-(reported as a walk of all ``N`` steps).  Every program's loaded-block count is returned
-with ``return_stats``.
+(reported as a walk of all ``N`` steps).  Every program's step count is returned with
+``return_stats``; :func:`blocks_loaded` turns it into the blocks really loaded.
 
-Why this shape: with ``P`` programs per ``(b, kv_head)`` walking at the same speed, the
-dense walk ends after ``N / P`` block times, while any monitor needs ``T`` sequential block
-times to see convergence at step ``T``; the time floor is ``min(T, N / P)`` and the leader
-scheme attains it (followers that would restart from scratch could never stop).  The
-followers' blocks read before they see the flag are wasted traffic (at most about
-``(P - 1) T`` blocks), so ART mode uses one wave of programs (``choose_num_splits``): one
-split as soon as the ``(b, kv_head)`` pairs fill the GPU (nothing wasted, the traffic saving
-becomes time), and at small batch only as many splits as fill the multiprocessors while the
-leader's range stays at least ``ART_MIN_LEADER_STEPS`` blocks long.  A stopped program
-still completes the K/V loads of its current chunk of ``ART_CHUNK`` steps (they are in flight
-in the software pipeline and are discarded), then issues no more.  The measured
-trade (loaded fraction and time against a single split) is in
-``benchmarks/NOTES-art-decode.md``.
+Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends after about
+``N / P`` block times, while any monitor needs ``T`` sequential block times to see
+convergence at step ``T``; followers that restarted from scratch could never stop, and the
+leader scheme bounds an ART call by the split-K dense time when the walk does not stop.
+Its cost is the followers' blocks read before they see the flag.  Measured on the H200
+(``benchmarks/NOTES-art-decode.md``; realistic synthetic caches, ``ARTConfig()``
+thresholds, 32/8 heads, D = 128, bf16), a *single* split was faster whenever ART stopped
+early: B = 1, S = 128k: 0.075 ms loading 1.9 % of the blocks vs 0.115 ms and 35 % with 17
+splits; B = 8, S = 128k: 0.078 ms (2 %) vs 0.134 ms (6.7 %, 3 splits); it was slower only when
+the leader's range was too short to stop in (B = 1, S = 32k: 0.076 ms vs 0.066 ms).  So
+ART mode defaults to one split (``num_splits=None``): the traffic saving is kept whole, and
+at large batch it becomes time directly.  Pass ``num_splits > 1`` to bound the worst case
+(a walk that never stops) at small batch by the split-K time.  A stopped program still
+completes the K/V loads of its current chunk of ``ART_CHUNK`` steps (they are in flight in
+the software pipeline and are discarded), then issues no more.
 
-**Split count** (``num_splits=None``): from the real lengths (``max(cache_seqlens)``, one
-device sync when lengths are given), enough programs for ``TARGET_PROGRAMS_PER_SM`` per
-multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per split, at most ``MAX_SPLITS``.
+**Dense defaults** (``art=None``): the split count comes from the real lengths
+(``max(cache_seqlens)``, one device sync when lengths are given): enough programs for
+``TARGET_PROGRAMS_PER_SM`` per multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per
+split, at most ``MAX_SPLITS``, rounded *down* so that the grid never spills a few programs into
+a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured 11 %
+slower than 16 splits); the block size is ``DENSE_BLOCK_SIZE`` (128), measured best or tied at
+every point of the benchmark's split sweep.
 
 Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
 the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
-sum in a different order than PyTorch's, so a probe that lands within rounding of a
-threshold can flip a stable/unstable decision (tests report the count of such stop steps).
+sum in a different order than PyTorch's, its exp is the hardware's, and the monitor tests
+are evaluated without division (``d_scale < tau`` as ``|n - n_old| < tau * n_old``, see
+``art_decode_kernel._probe_update``), so a probe that lands within rounding of a threshold
+can flip a stable/unstable decision; the tests count such stop steps (1 of 1296
+``(b, kv_head)`` on the H200 in bf16, off by one step; none in the CPU interpreter).
 """
 from __future__ import annotations
 
@@ -69,7 +78,6 @@ MAX_GROUP = 128
 TARGET_PROGRAMS_PER_SM = 1
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
-ART_MIN_LEADER_STEPS = 32
 ART_CHUNK = 16
 COMBINE_CHUNK = 16
 
@@ -92,9 +100,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         art: monitor settings, or ``None`` for dense attention.
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
-            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, ``DENSE_BLOCK_SIZE``
-            (128, the faster tile on the H200) without.
-        num_splits: programs per ``(b, kv_head)``; default from the heuristic above.
+            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
+            ``DENSE_BLOCK_SIZE`` (128).
+        num_splits: programs per ``(b, kv_head)``; default 1 with ``art`` (see the split scheme
+            above), else :func:`choose_num_splits`.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -117,7 +126,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS} in the kernel, got {order!r}")
     if block_size is None:
-        block_size = DENSE_BLOCK_SIZE if art is None else ART_BLOCK_SIZE
+        block_size = ART_BLOCK_SIZE if art is not None else DENSE_BLOCK_SIZE
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if art is not None and not isinstance(art, ARTParams):
@@ -132,7 +141,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         _check_block_table(block_table, seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None)
+        num_splits = 1 if art is not None else choose_num_splits(batch, kv_heads, max_steps, q.device)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
@@ -179,23 +188,14 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool) -> int:
-    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (see the module docstring).
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device) -> int:
+    """Dense programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks.
 
-    Dense: ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (one wave: on the H200 more
-    splits only added combine work and shorter pipelines, see the benchmark's split sweep), at
-    least ``MIN_STEPS_PER_SPLIT`` blocks each.  ART: one wave too, with the leader's range at
-    least ``ART_MIN_LEADER_STEPS`` blocks: a single split as soon as the ``(b, kv_head)`` pairs
-    fill the GPU, since followers' blocks loaded before the flag is seen are wasted traffic.
+    As many as fit ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor in one wave (rounded
+    down), at least ``MIN_STEPS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``, at least 1.
     """
-    programs = batch * kv_heads
-    if art:
-        wanted = -(-_num_sms(device) // programs)
-        limit = max(1, max_steps // ART_MIN_LEADER_STEPS)
-    else:
-        wanted = -(-TARGET_PROGRAMS_PER_SM * _num_sms(device) // programs)
-        limit = max(1, max_steps // MIN_STEPS_PER_SPLIT)
-    return max(1, min(wanted, limit, MAX_SPLITS))
+    wanted = TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_heads)
+    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
 
 
 def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = ART_BLOCK_SIZE) -> torch.Tensor:
