@@ -56,7 +56,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .corpus import Prompt, check_int
+from .checks import check_int
+from .corpus import Prompt
 from .models import LoadedModel, load_model
 
 FORMAT_VERSION = 1

@@ -4,6 +4,15 @@ from __future__ import annotations
 import torch
 
 
+def check_int(value, name: str, minimum: int) -> int:
+    """``value`` must be an ``int`` (not a ``bool``) ``>= minimum``; returns it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_block_size(block_size) -> int:
     """``block_size`` must be a positive ``int``."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:

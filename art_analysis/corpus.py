@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .checks import check_int
+
 LONG_TEXT_SOURCES = ("stdlib", "docs")
 PROMPT_KINDS = ("passkey", "niah")
 
@@ -70,15 +72,6 @@ _DOCUMENTS: dict[str, Callable[[random.Random], Iterator[str]]] = {
     "stdlib": _stdlib_documents,
     "docs": _docs_documents,
 }
-
-
-def check_int(value, name: str, minimum: int) -> int:
-    """`value` must be an int (not a bool) >= `minimum`; returns it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _units(tokenizer) -> tuple[Callable[[str], list], Callable[[list], str], str]:

@@ -26,6 +26,7 @@ import torch
 from art_analysis.capture import capture_kv, model_dims
 from art_analysis.corpus import long_text
 from art_analysis.models import load_model
+from kernels.results_io import write_json_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,14 +59,6 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.current())
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     out = args.out or RESULTS / f"{datetime.date.today().isoformat()}-capture-cpu.json"
-    _write_json(out, payload)
+    write_json_atomic(out, payload)
     print(f"model load {load_s:.1f} s; best capture {payload['best_capture_s']:.1f} s -> {out}")
     return 0
 

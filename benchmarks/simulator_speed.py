@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import time
@@ -19,6 +18,7 @@ import torch
 
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
+from kernels.results_io import write_json_atomic
 from art_analysis.termination import ARTConfig, stop
 
 
@@ -50,9 +50,7 @@ def main() -> None:
                mean_loaded_fraction=float(result.loaded_fraction.mean()))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{row['date']}-simulator-cpu.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(row, indent=2) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, row)
     print(f"{args.mode} mode, S={args.seqlen}: median {row['median_seconds']:.2f} s over {args.repeats} runs, "
           f"stop() {stop_time:.3f} s, peak RSS {peak_mib:.0f} MiB (process with the cache loaded: "
           f"{rss_before:.0f} MiB) -> {path}")

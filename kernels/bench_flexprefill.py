@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from tqdm.auto import tqdm
 
 from kernels.block_sparse import KernelConfig, block_sparse_attention, default_config, flexprefill_attention
 from kernels.flexprefill_estimate import estimate_block_mask, query_aware_blocks, representative_lines
+from kernels.results_io import write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
 
@@ -241,13 +241,6 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        json.dump(payload, tmp, indent=1)
-    os.replace(tmp.name, path)
-
-
 def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None, capture_layer: int = 15,
         sweep_configs: bool = False) -> dict:
     """Run the benchmark and write ``<out_dir>/<date>-flexprefill.json``; returns the payload.
@@ -306,7 +299,7 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
         torch.cuda.empty_cache()
     payload["rows"] = rows
     payload["summary"] = summarise(rows)
-    _write_json(Path(out_dir) / f"{datetime.date.today().isoformat()}-flexprefill.json", payload)
+    write_json_atomic(Path(out_dir) / f"{datetime.date.today().isoformat()}-flexprefill.json", payload)
     return payload
 
 

@@ -1,5 +1,4 @@
 """Every notebook runs top to bottom in quick mode."""
-import os
 from pathlib import Path
 
 import nbformat

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels.results_io import write_json_atomic
 
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
@@ -143,8 +144,5 @@ def run(args: argparse.Namespace) -> int:
         _export(args.export_prefill, exported)
         print(args.export_prefill)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, suffix=".tmp", delete=False) as tmp:
-            json.dump(rows, tmp, indent=2)
-        os.replace(tmp.name, args.json)
+        write_json_atomic(args.json, rows)
     return 0

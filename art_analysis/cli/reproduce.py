@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kernels.results_io import write_json_atomic, write_text_atomic
+
 from ..analysis.bounds import truncation_report
 from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, compose_with_art
 from ..analysis.convergence import mean_error_at
@@ -118,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
                    misaligned_fraction=misaligned.tolist(), bounds=bounds, composition=composition,
                    flexprefill=json.loads(flexprefill_json.read_text()),
                    figures={k: str(p) for k, p in figures.items()})
-    _write_atomic(out / "reproduce.json", json.dumps(results, indent=2) + "\n")
-    _write_atomic(out / "REPORT.md", _report(results, fractions))
+    write_json_atomic(out / "reproduce.json", results)
+    write_text_atomic(out / "REPORT.md", _report(results, fractions))
     for name, rows in summaries.items():
         print(f"\n{name}")
         print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
@@ -253,10 +255,3 @@ def _report(results: dict, fractions: torch.Tensor) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+
+from kernels.results_io import write_json_atomic
 
 from ..blockwise import MODES, blockwise_attention
 from ..orders import ORDERS
 from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
-from ..termination import ARTConfig
 from .art_options import add_art_options, art_config_from_args
 
 
@@ -57,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
     rows = summarize(traces, standard_rules(art))
     print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=2) + "\n")
-        tmp.replace(args.json)
+        write_json_atomic(args.json, rows)
     return 0
 
 

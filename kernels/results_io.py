@@ -1,0 +1,27 @@
+"""Writing result files atomically (a temporary file in the same folder, then a rename)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, payload, indent: int = 2) -> Path:
+    """``payload`` as JSON (trailing newline) through :func:`write_text_atomic`."""
+    return write_text_atomic(path, json.dumps(payload, indent=indent) + "\n")
