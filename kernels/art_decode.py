@@ -27,25 +27,36 @@ Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends af
 ``N / P`` block times, while any monitor needs ``T`` sequential block times to see
 convergence at step ``T``; followers that restarted from scratch could never stop, and the
 leader scheme bounds an ART call by the split-K dense time when the walk does not stop.
-Its cost is the followers' blocks read before they see the flag.  Measured on the H200
-(``benchmarks/NOTES-art-decode.md``; realistic synthetic caches, ``ARTConfig()``
-thresholds, 32/8 heads, D = 128, bf16), a *single* split was faster whenever ART stopped
-early: B = 1, S = 128k: 0.075 ms loading 1.9 % of the blocks vs 0.115 ms and 35 % with 17
-splits; B = 8, S = 128k: 0.078 ms (2 %) vs 0.134 ms (6.7 %, 3 splits); it was slower only when
-the leader's range was too short to stop in (B = 1, S = 32k: 0.076 ms vs 0.066 ms).  So
-ART mode defaults to one split (``num_splits=None``): the traffic saving is kept whole, and
-at large batch it becomes time directly.  Pass ``num_splits > 1`` to bound the worst case
-(a walk that never stops) at small batch by the split-K time.  A stopped program still
-completes the K/V loads of its current chunk of ``ART_CHUNK`` steps (they are in flight in
-the software pipeline and are discarded), then issues no more.
+Its cost is the followers' blocks read before they see the flag, and the leader shares its
+multiprocessor with them.  Measured on the H200 (``benchmarks/NOTES-art-decode.md``;
+``ARTConfig()`` thresholds, bf16, CUDA-graph medians):
+
+====================================  ===========================  ===========================
+case                                  one split (ms, blocks read)   leader scheme (ms, read)
+====================================  ===========================  ===========================
+synthetic 32/8, B = 1, S = 128k       0.076, 1.9 %                 0.115, 34 % (16 splits)
+synthetic 32/8, B = 8, S = 128k       0.078, 2.0 %                 0.116, 4.4 % (2 splits)
+synthetic 32/8, B = 1, S = 32k        0.076, 8.6 %                 0.065, 100 % (16 splits)
+SmolLM2 layer 9/3, B = 1, S = 32k     0.278, 24 %                  0.053, 100 % (16 splits)
+SmolLM2 layer 9/3, B = 1, S = 128k    0.279, 6 %                   0.076, 100 % (44 splits)
+====================================  ===========================  ===========================
+
+With few ``(b, kv_head)`` pairs a lone walk is latency-bound (about 2 us per block), so
+the leader scheme wins by falling back to split-K speed; once there are a handful of pairs
+a single split keeps the whole traffic saving and is faster.  Hence the default
+(:func:`choose_num_splits`): one split from ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on, else the
+leader scheme over one wave of programs.  A stopped program still completes the K/V loads of
+its current chunk of ``ART_CHUNK`` steps (they are in flight in the software pipeline and
+are discarded), then issues no more.
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
 (``max(cache_seqlens)``, one device sync when lengths are given): enough programs for
 ``TARGET_PROGRAMS_PER_SM`` per multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per
-split, at most ``MAX_SPLITS``, rounded *down* so that the grid never spills a few programs into
-a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured 11 %
-slower than 16 splits); the block size is ``DENSE_BLOCK_SIZE`` (128), measured best or tied at
-every point of the benchmark's split sweep.
+split, at most ``MAX_SPLITS``, rounded down so that the grid does not spill a few programs
+into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured
+11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
+(96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128),
+measured best or tied at every point of the benchmark's split sweep.
 
 Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
 the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
@@ -78,6 +89,9 @@ MAX_GROUP = 128
 TARGET_PROGRAMS_PER_SM = 1
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
+WAVE_FILL = 0.75
+ART_SINGLE_SPLIT_PROGRAMS = 8
+ART_MIN_LEADER_STEPS = 32
 ART_CHUNK = 16
 COMBINE_CHUNK = 16
 
@@ -102,8 +116,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
             ``DENSE_BLOCK_SIZE`` (128).
-        num_splits: programs per ``(b, kv_head)``; default 1 with ``art`` (see the split scheme
-            above), else :func:`choose_num_splits`.
+        num_splits: programs per ``(b, kv_head)``; default :func:`choose_num_splits`.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -141,7 +154,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         _check_block_table(block_table, seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if num_splits is None:
-        num_splits = 1 if art is not None else choose_num_splits(batch, kv_heads, max_steps, q.device)
+        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
@@ -188,14 +201,28 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device) -> int:
-    """Dense programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks.
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool) -> int:
+    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (module docstring).
 
-    As many as fit ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor in one wave (rounded
-    down), at least ``MIN_STEPS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``, at least 1.
+    Dense: one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor, rounded down
+    unless that leaves more than a quarter of the multiprocessors idle; at least
+    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: one split once there are
+    ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
     """
-    wanted = TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_heads)
+    programs = batch * kv_heads
+    if art:
+        return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, max_steps, device)
+    slots = TARGET_PROGRAMS_PER_SM * _num_sms(device)
+    wanted = slots // programs
+    if wanted * programs < WAVE_FILL * slots:
+        wanted += 1
     return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+
+
+def leader_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device) -> int:
+    """ART splits for the leader scheme: one program per multiprocessor (rounded down), the
+    leader's range at least ``ART_MIN_LEADER_STEPS`` blocks."""
+    return max(1, min(_num_sms(device) // (batch * kv_heads), max_steps // ART_MIN_LEADER_STEPS, MAX_SPLITS))
 
 
 def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = ART_BLOCK_SIZE) -> torch.Tensor:

@@ -46,7 +46,8 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits
+from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits,
+                         leader_splits)
 from .art_params import ARTParams
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -57,7 +58,6 @@ CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
 SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
-LEADER_MIN_STEPS = 32
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
@@ -186,12 +186,12 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             continue
         if add(name, fn) is not None and reference is None:
             reference = fn().squeeze(2).float()
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device)
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=False)
     dense_ms = add("art_dense", lambda: art_decode(q, k, v), num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE)
     if reference is not None and dense_ms is not None:
         out = art_decode(q, k, v).float()
         rows[-1]["rel_error_vs_peer"] = float((out - reference).norm() / reference.norm())
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device)
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False)
     add("art_dense_bs64", lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits),
         num_splits=splits, block_size=ART_BLOCK_SIZE)
     add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits,
@@ -219,15 +219,14 @@ def _speedups(rows: list[dict]) -> None:
 
 
 def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
-    """ART with one split (the default) vs the leader scheme with one wave of programs (loaded
-    fractions of all programs and of the leader), and dense over a sweep of split counts and block
-    sizes (CUDA-graph times)."""
+    """ART with one split vs the leader scheme over one wave of programs (loaded fractions of all
+    programs and of the leader), and dense over a sweep of split counts and block sizes
+    (CUDA-graph times)."""
     batch, kv_heads, seqlen = q.shape[0], k.shape[1], k.shape[2]
     base = dict(batch=batch, seqlen=seqlen)
     rows = []
-    one_wave = max(1, min(torch.cuda.get_device_properties(q.device).multi_processor_count // (batch * kv_heads),
-                          math.ceil(seqlen / ART_BLOCK_SIZE) // LEADER_MIN_STEPS))
-    for label, splits in (("art_single_split", 1), ("art_leader_one_wave", one_wave)):
+    leader = leader_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device)
+    for label, splits in (("art_single_split", 1), ("art_leader_one_wave", leader)):
         _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
         rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
                      "loaded_fraction": _loaded_fraction(steps, seqlen),

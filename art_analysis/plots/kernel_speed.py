@@ -44,7 +44,11 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
         ax.set_xlabel("batch")
         ax.set_ylabel("KV TB/s (whole-cache bytes / time)")
         ax.set_title(f"S = {seqlen // 1024}k")
-    axes[0].legend(fontsize=7)
+    handles = {}
+    for ax in axes[:-1]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.4, -0.12))
     ax = axes[-1]
     dense = {(r["data"], r["batch"], r["seqlen"]): r["ms"] for r in rows if r["impl"] == "art_dense"}
     for data, marker in (("synthetic", "D"), ("smollm2_layer15_tiled", "o")):
