@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -246,14 +246,14 @@ def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _launch_config(device: torch.device) -> tuple[int, int]:
     """``(num_warps, num_stages)``: deeper K/V pipelining on Hopper and newer."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:

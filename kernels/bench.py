@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,9 +44,9 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits,
-                         leader_splits)
+from .art_decode import ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits, leader_splits
 from .art_params import ARTParams
+from .results_io import write_json_atomic
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 LENGTHS = (8192, 32768, 131072)
@@ -231,11 +229,11 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
         rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
                      "loaded_fraction": _loaded_fraction(steps, seqlen),
                      "leader_loaded_fraction": _loaded_fraction(steps, seqlen, slice(0, 1)),
-                     "ms": graph_ms(lambda: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
+                     "ms": graph_ms(lambda splits=splits: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
     for block_size in (64, 128):
         for splits in SPLIT_SWEEP:
             rows.append({**base, "impl": "art_dense", "block_size": block_size, "num_splits": splits,
-                         "ms": graph_ms(lambda: art_decode(q, k, v, block_size=block_size, num_splits=splits),
+                         "ms": graph_ms(lambda bs=block_size, ns=splits: art_decode(q, k, v, block_size=bs, num_splits=ns),
                                         rep_ms)})
     return rows
 
@@ -268,13 +266,6 @@ def summarise(rows: list[dict], ceiling: float) -> dict:
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
         "art_rows": len(art_rows),
     }
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        json.dump(payload, tmp, indent=1)
-    os.replace(tmp.name, path)
 
 
 def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: Callable,
@@ -327,7 +318,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
             study += [{"data": data, **r} for r in split_study(q, k, v, art=art, rep_ms=rep_ms)]
         del q, k, v
         torch.cuda.empty_cache()
-        _write_json(path, {**payload, "rows": rows, "split_study": study, "complete": False})
+        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
     payload.update(rows=rows, split_study=study, complete=True, summary=summarise(rows, ceiling))
-    _write_json(path, payload)
+    write_json_atomic(path, payload)
     return payload

@@ -49,7 +49,7 @@ def captured_inputs(device, dtype=torch.float16):
 
 def same_dtype_reference(q, k, v, seqlens=None, sm_scale=None):
     """Attention computed by PyTorch in the inputs' dtype (the FlashAttention test oracle's ``out_pt``)."""
-    batch, q_heads, dim = q.shape
+    _, q_heads, dim = q.shape
     group = q_heads // k.shape[1]
     sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
     kk = k.repeat_interleave(group, dim=1)
@@ -235,9 +235,8 @@ def test_ragged_lengths_and_shuffled_pages(art):
         assert_within_flash_oracle(contiguous, q, k, v, lengths)
         assert torch.equal(steps.sum(-1), ((lengths.long() + 63) // 64)[:, None].expand(-1, 2).to(steps.dtype))
     else:
-        expected, result = simulator_stop(q, k, v, lengths, art, "sink_recency")
-        single, single_steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1,
-                                          return_stats=True)
+        expected, _ = simulator_stop(q, k, v, lengths, art, "sink_recency")
+        _, single_steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1, return_stats=True)
         assert torch.equal(single_steps[..., 0].long(), expected)
     for page_size in (1, 16):
         k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
