@@ -7,8 +7,8 @@ sequence over a contiguous (``[B, Hkv, S, D]``) or paged (``[num_pages, page_siz
 ``art=ARTParams(...)`` the ART monitor runs after every block (rule: ``kernels.art_params``;
 reference: the simulator ``art_analysis.blockwise`` in ``mode="kernel"`` evaluated by
 ``art_analysis.termination.stop`` with ``group="all"``) and the walk ends once every query
-head of the group is done: no further K/V loads are issued.  ``art=None`` compiles the
-monitor out (the dense baseline).
+head of the group is done: no K/V loads are issued past the current chunk of ``ART_CHUNK``
+blocks.  ``art=None`` compiles the monitor out (the dense baseline).
 
 **Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
 ``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a

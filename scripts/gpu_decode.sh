@@ -3,8 +3,12 @@
 # compute-sanitizer memcheck on a representative run (paged, ragged, ART with splits), then the
 # benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
-# and memcheck.  The captured layer
-# .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q) is benchmarked when present.
+# and memcheck.  The captured layer .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q)
+# is benchmarked when present (send it with the device runner's carry).  Make it on the CPU with
+#   art-analysis capture --model smollm2 --context 8192 --decode-steps 8 --source stdlib --out captures/smollm2-8k
+#   python -c "import torch; from safetensors.torch import save_file; from art_analysis.capture import KVCapture;
+#     q, k, v = KVCapture.load('captures/smollm2-8k').select(layers=[15]).layer(15);
+#     save_file({n: x.half().contiguous() for n, x in (('k', k), ('v', v), ('decode_q', q))}, '.carry/smollm2_layer15_ctx8192.safetensors')"
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 figure="${OUT:-figures}/kernel_speed.png"
