@@ -1,0 +1,66 @@
+"""The decode benchmark's byte model, loaded-block accounting and target summary (CPU, no timing)."""
+from __future__ import annotations
+
+import torch
+
+import kernels.art_decode as art_decode_module
+from kernels.art_decode import blocks_loaded, choose_num_splits
+from kernels.bench import kv_bytes, summarise, tile_batch
+
+
+def test_kv_bytes_counts_k_and_v_once():
+    k = torch.empty(3, 8, 1000, 128, dtype=torch.bfloat16)
+    assert kv_bytes(k) == 2 * 3 * 8 * 1000 * 128 * 2
+
+
+def test_blocks_loaded_rounds_art_walks_up_to_whole_chunks_inside_each_range(monkeypatch):
+    monkeypatch.setattr(art_decode_module, "ART_CHUNK", 8)
+    # 20 blocks of 64 in 3 splits: ranges of 7, 7 and 6 blocks; 2 blocks of 64 in 3 splits: 1, 1, 0.
+    steps = torch.tensor([[[3, 7, 6]], [[1, 1, 0]]], dtype=torch.int32)
+    loaded = blocks_loaded(steps, torch.tensor([20 * 64, 100]), block_size=64)
+    assert loaded.tolist() == [[[7, 7, 6]], [[1, 1, 0]]]
+    steps = torch.tensor([[[9]], [[17]]], dtype=torch.int32)
+    loaded = blocks_loaded(steps, torch.tensor([40 * 64, 40 * 64]), block_size=64)
+    assert loaded.tolist() == [[[16]], [[24]]]
+
+
+def test_dense_steps_are_the_blocks_of_each_range():
+    lengths = torch.tensor([1, 63, 65, 1027])
+    blocks = (lengths + 63) // 64
+    splits = 3
+    per_split = (blocks + splits - 1) // splits
+    steps = torch.stack([(blocks - s * per_split).clamp(min=0).minimum(per_split) for s in range(splits)], -1)
+    loaded = blocks_loaded(steps[:, None, :].int(), lengths, block_size=64)
+    assert torch.equal(loaded.sum(-1)[:, 0], blocks)
+
+
+def test_split_heuristics_fill_one_wave(monkeypatch):
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    assert choose_num_splits(1, 8, 512, None, art=False) == 16       # 128 programs, not 136
+    assert choose_num_splits(32, 3, 512, None, art=False) == 2       # 96 programs would idle 27 % of the SMs
+    assert choose_num_splits(32, 8, 512, None, art=False) == 1
+    assert choose_num_splits(1, 8, 8, None, art=False) == 2          # at least MIN_STEPS_PER_SPLIT blocks each
+    assert choose_num_splits(1, 8, 2048, None, art=True) == 1        # 8 pairs: one split
+    assert choose_num_splits(1, 3, 512, None, art=True) == 16        # leader range of at least 32 blocks
+    assert choose_num_splits(1, 3, 4096, None, art=True) == 44       # one program per multiprocessor
+
+
+def test_tile_batch_repeats_rows_cyclically():
+    x = torch.arange(6).view(2, 3)
+    assert tile_batch((x,), 5)[0].tolist() == [[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4, 5], [0, 1, 2]]
+
+
+def test_summary_checks_the_targets_on_the_rows():
+    def row(impl, ms, batch=32, seqlen=32768, data="synthetic", **extra):
+        return dict(data=data, batch=batch, seqlen=seqlen, impl=impl, ms=ms, **extra)
+
+    rows = [row("cudnn_sdpa", 1.0), row("flash_sdpa", 1.5), row("art_dense", 1.02), row("art_dense_bs64", 1.0),
+            row("art_never", 1.05), row("art", 0.2, meets_time_bound=False),
+            row("cudnn_sdpa", 0.05, batch=1), row("art_dense", 0.06, batch=1), row("art_dense_bs64", 0.06, batch=1),
+            row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True),
+            dict(data="synthetic", batch=1, seqlen=32768, impl="flex_attention", error="compile error")]
+    summary = summarise(rows, 4.2)
+    assert abs(summary["dense_over_best_peer_throughput_b16plus_min"] - 1.0 / 1.02) < 1e-12
+    assert summary["b1_s32k"] == {"art_dense_ms": 0.06, "best_peer_ms": 0.05}
+    assert abs(summary["monitor_overhead_max"] - 0.05) < 1e-12
+    assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
