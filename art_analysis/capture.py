@@ -39,7 +39,6 @@ import datetime
 import hashlib
 import importlib
 import importlib.metadata
-import inspect
 import json
 import os
 import platform
@@ -56,14 +55,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .attention_override import override_attention
 from .checks import check_int
 from .corpus import Prompt
-from .models import LoadedModel, load_model
+from .models import LoadedModel, cache_argument, load_model
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 TOKENS_FILE = "tokens.safetensors"
-CAPTURE_IMPL_PREFIX = "art_capture_"
+CAPTURE_IMPL_TAG = "art_capture"
 
 
 def layer_filename(layer: int) -> str:
@@ -364,29 +364,20 @@ def _index_list(values: Sequence[int], name: str) -> list[int]:
 
 # ---------------------------------------------------------------------- recording
 class _QueryRecorder:
-    """An attention function that records post-RoPE queries, then runs the model's own one.
+    """An attention hook that records post-RoPE queries, then runs the model's own attention.
 
     Prefill calls (query length > 1) record ``[B, Hq, C, D]`` for `prefill_layers` and tick
     `on_prefill_layer`; decode calls (query length 1) record ``[B, Hq, 1, D]`` for every layer.
     """
 
-    def __init__(self, base_impl: str, prefill_layers: Sequence[int], on_prefill_layer: Callable[[], None]):
-        self.base_impl = base_impl
+    def __init__(self, prefill_layers: Sequence[int], on_prefill_layer: Callable[[], None]):
         self.prefill_layers = set(prefill_layers)
         self.on_prefill_layer = on_prefill_layer
         self.prefill_q: dict[int, torch.Tensor] = {}
         self.decode_q: dict[int, list[torch.Tensor]] = {}
         self.scaling: set[float] = set()
 
-    def _base(self, module):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        if self.base_impl in ALL_ATTENTION_FUNCTIONS:
-            return ALL_ATTENTION_FUNCTIONS[self.base_impl]
-        # "eager" is defined by each model's own modelling file.
-        return importlib.import_module(type(module).__module__).eager_attention_forward
-
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+    def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             raise TypeError(f"{type(module).__name__} has no layer_idx; capture needs it to tell layers apart")
@@ -398,24 +389,7 @@ class _QueryRecorder:
             self.decode_q.setdefault(layer, []).append(query.detach().clone())
         if kwargs.get("scaling") is not None:
             self.scaling.add(float(kwargs["scaling"]))
-        return self._base(module)(module, query, key, value, attention_mask, **kwargs)
-
-
-def _install_recorder(model, recorder: _QueryRecorder) -> str:
-    """Register `recorder` as an attention implementation (with the base one's mask) and
-    switch `model` to it; returns the name of the implementation to restore afterwards."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    base = model.config._attn_implementation
-    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise ValueError(f"attention implementation {base!r} has no mask function; load the model with "
-                         f"attn_implementation='sdpa' or 'eager'")
-    name = CAPTURE_IMPL_PREFIX + base
-    AttentionInterface.register(name, recorder)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.set_attn_implementation(name)
-    return base
+        return base(module, query, key, value, attention_mask, **kwargs)
 
 
 # ---------------------------------------------------------------------- inputs
@@ -495,11 +469,6 @@ def _versions() -> dict:
     return versions
 
 
-def _cache_param(model) -> str:
-    """Name of the forward argument carrying the KV cache (renamed in transformers 5)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _cached_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
@@ -566,13 +535,12 @@ def capture_kv(
     from transformers import DynamicCache
 
     prefill_bar = tqdm(total=dims["num_layers"], desc="prefill (layers)", disable=not progress)
-    recorder = _QueryRecorder(net.config._attn_implementation, prefill_layers, lambda: prefill_bar.update(1))
-    base_impl = _install_recorder(net, recorder)
-    cache_arg = _cache_param(net)
+    recorder = _QueryRecorder(prefill_layers, lambda: prefill_bar.update(1))
+    cache_arg = cache_argument(net)
     cache = DynamicCache()
     generated = []
     try:
-        with torch.inference_mode():
+        with override_attention(net, recorder, CAPTURE_IMPL_TAG) as base_impl, torch.inference_mode():
             out = net(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
             prefill_bar.close()
             generated.append(out.logits[:, -1].argmax(-1))
@@ -581,7 +549,6 @@ def capture_kv(
                 generated.append(out.logits[:, -1].argmax(-1))
     finally:
         prefill_bar.close()
-        net.set_attn_implementation(base_impl)
 
     kv_length = context + decode_steps
     layers = {}

@@ -12,6 +12,7 @@ since importing it pulls in packages this project does not want.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,3 +144,8 @@ def load_model(
     )
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, location=location)
+
+
+def cache_argument(model) -> str:
+    """Name of the forward argument carrying the KV cache (renamed in transformers 5)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

