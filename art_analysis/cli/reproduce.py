@@ -21,6 +21,7 @@ from kernels.results_io import write_json_atomic, write_text_atomic
 from ..analysis.bounds import truncation_report
 from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, compose_with_art
 from ..analysis.convergence import mean_error_at
+from ..analysis.end_to_end import GENERATION_COLUMNS, GENERATION_FORMATS
 from ..analysis.misalignment import misaligned_fraction, token_scores
 from ..analysis.sensitivity import pick_default, threshold_grid
 from ..blockwise import blockwise_attention
@@ -40,6 +41,8 @@ PHIS = (1e-3, 1e-4, 1e-5, 1e-6)
 PATIENCES = (2, 4, 8, 16)
 # The error bound under which the sensitivity study picks a setting (99th percentile over heads).
 ERROR_BOUND = 0.02
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+PASSKEY_NEW_TOKENS = 10
 
 
 def register(subparsers) -> None:
@@ -59,14 +62,19 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     context = args.context or (1024 if args.quick else 4096)
     sources: dict[str, list] = {}
+    generation: list[dict] = []
     flexprefill_json = args.out / "flexprefill.json"
     flexprefill_args = ["flexprefill", "--out", str(args.out), "--json", str(flexprefill_json)]
     if args.synthetic_only:
         flexprefill_args += ["--seqlen", str(context)]
     else:
-        capture, folder = _model_capture(args, context)
+        from ..models import load_model
+
+        loaded = load_model(args.model)
+        capture, folder = _model_capture(loaded, args, context)
         sources["smollm2"] = _decode_inputs(capture)
         flexprefill_args += ["--capture", str(folder)]
+        generation = _passkey_generation(loaded, args.block_size, context)
     seqlen = 2048 if args.quick else 8192
     for preset in PRESETS:
         cache = synthetic_cache(1, 32, 8, seqlen, 128, preset=preset, seed=0)
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                    summaries=summaries, sensitivity=grid,
                    convergence={o: e.tolist() for o, (_, e) in convergence.items()},
                    misaligned_fraction=misaligned.tolist(), bounds=bounds, composition=composition,
-                   flexprefill=json.loads(flexprefill_json.read_text()),
+                   flexprefill=json.loads(flexprefill_json.read_text()), generation=generation,
                    figures={k: str(p) for k, p in figures.items()})
     write_json_atomic(out / "reproduce.json", results)
     write_text_atomic(out / "REPORT.md", _report(results, fractions))
@@ -127,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
     print(f"\npolicies followed by {chosen_rule.name} on {main_source}")
     print(format_table(composition, COMPOSITION_COLUMNS, COMPOSITION_FORMATS))
+    if generation:
+        print(f"\npasskey retrieval ({context} tokens) with each rule inside decoding")
+        print(format_table(generation, GENERATION_COLUMNS, GENERATION_FORMATS))
     print(f"\nsensitivity on {main_source}: smallest loaded fraction with p99 error <= {ERROR_BOUND}: "
           f"tau={chosen['tau']:g} phi={chosen['phi']:g} patience={chosen['patience']} "
           f"(loaded {chosen['loaded_fraction']:.3f}); ARTConfig() uses tau={defaults.tau:g} "
@@ -135,17 +146,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_capture(args: argparse.Namespace, context: int):
+def _model_capture(loaded, args: argparse.Namespace, context: int):
     """Capture the model (or reuse an earlier capture with the same settings): KV caches, decode
     queries, and the prefill queries of the first, middle and last layers (for FlexPrefill)."""
     from ..capture import KVCapture, capture_kv, model_dims
     from ..corpus import long_text
-    from ..models import load_model
 
     folder = args.captures / f"reproduce-{Path(str(args.model)).stem}-stdlib-c{context}-d{args.decode_steps}-prefill"
     if folder.exists():
         return KVCapture.load(folder), folder
-    loaded = load_model(args.model)
     layers = model_dims(loaded.model)["num_layers"]
     # About 3-4 characters a token for source code; ask for comfortably more text.
     text = long_text("stdlib", seed=0, length=8 * context)
@@ -153,6 +162,18 @@ def _model_capture(args: argparse.Namespace, context: int):
                          prefill_layers=sorted({0, layers // 2, layers - 1}), source=dict(corpus="stdlib", seed=0))
     capture.save(folder)
     return capture, folder
+
+
+def _passkey_generation(loaded, block_size: int, context: int) -> list[dict]:
+    """Passkey retrieval with each rule inside the model's decode attention (five needle depths)."""
+    from ..analysis.end_to_end import compare_generation
+    from ..corpus import passkey_prompt
+    from .evaluate import evaluation_rules
+
+    prompts = [passkey_prompt(context, depth=depth, seed=i, tokenizer=loaded.tokenizer)
+               for i, depth in enumerate(PASSKEY_DEPTHS)]
+    return compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(ARTConfig()),
+                              max_new_tokens=PASSKEY_NEW_TOKENS, block_size=block_size)
 
 
 def _decode_inputs(capture) -> list:
@@ -244,6 +265,7 @@ def _report(results: dict, fractions: torch.Tensor) -> str:
         format_table(results["composition"], COMPOSITION_COLUMNS, COMPOSITION_FORMATS),
         "```",
         "",
+        *_generation_section(results),
         "## FlexPrefill: kept tiles and error against gamma",
         "",
         "Block selection by attention mass alone (the key-centric peer), on the recorded prefill layers "
@@ -255,3 +277,21 @@ def _report(results: dict, fractions: torch.Tensor) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _generation_section(results: dict) -> list[str]:
+    if not results["generation"]:
+        return []
+    return [
+        "## End to end: passkey retrieval with the rule inside decoding",
+        "",
+        f"The simulator's truncated output replaces the model's attention at every decode step of every "
+        f"layer (the prefill stays dense). Passkey prompts of {results['context']} tokens, needle depths "
+        f"{list(PASSKEY_DEPTHS)}, {PASSKEY_NEW_TOKENS} greedy tokens; accuracy counts prompts whose passkey "
+        "appears in the output, agreement compares tokens with dense decoding:",
+        "",
+        "```",
+        format_table(results["generation"], GENERATION_COLUMNS, GENERATION_FORMATS),
+        "```",
+        "",
+    ]
