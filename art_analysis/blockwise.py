@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .checks import check_block_size, check_cache_seqlens, check_finite_cache
+from .checks import check_block_size, check_cache_seqlens, check_finite_cache, check_float_tensor, check_kv_cache
 from .orders import traversal_order, walkable_blocks
 
 MODES = ("exact", "kernel")
@@ -145,19 +145,12 @@ class BlockwiseAttention(nn.Module):
 
 
 def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    check_float_tensor(q, "q", "[B, Hq, D]")
+    check_kv_cache(k, v)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
-    if k.dim() != 4:
-        raise ValueError(f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device != k.device:
+        raise ValueError(f"q and k, v must be on one device, got {q.device} and {k.device}")
     batch, q_heads, dim = q.shape
     if k.shape[0] != batch:
         raise ValueError(f"q has batch {batch} but k has batch {k.shape[0]}")

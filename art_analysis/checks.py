@@ -20,6 +20,26 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
+def check_float_tensor(t, name: str, layout: str) -> None:
+    """``t`` must be a floating-point ``torch.Tensor`` (``layout`` names its expected shape)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_kv_cache(k, v) -> None:
+    """``k, v`` must be floating-point ``[B, Hkv, S, D]`` tensors of one shape on one device."""
+    check_float_tensor(k, "k", "[B, Hkv, S, D]")
+    check_float_tensor(v, "v", "[B, Hkv, S, D]")
+    if k.dim() != 4:
+        raise ValueError(f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+
+
 def check_cache_seqlens(cache_seqlens, batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
     """Valid tokens per sequence as ``LongTensor [B]`` in ``[1, S]`` (``None`` means ``S`` for all)."""
     if cache_seqlens is None:

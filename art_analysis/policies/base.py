@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, valid_token_mask
+from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, check_kv_cache, valid_token_mask
 from .budget import tokens_to_blocks
 
 
@@ -154,17 +154,7 @@ class SelectionPolicy(ABC):
 
 def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqlens) -> SelectionInputs:
     """Check shapes, dtypes and devices at the public boundary and build :class:`SelectionInputs`."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [B, Hkv, S, D], got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if k.dim() != 4:
-        raise ValueError(f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.device != v.device:
-        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+    check_kv_cache(k, v)
     batch, kv_heads, seqlen, dim = k.shape
     if min(batch, kv_heads, seqlen, dim) < 1:
         raise ValueError(f"k must have non-empty dims [B, Hkv, S, D], got {tuple(k.shape)}")
