@@ -42,3 +42,20 @@ def test_rho_matches_the_unvisited_block_mass():
     stop_step = torch.full((1, 2), 3)
     report = truncation_report(trace, cache.q, cache.k, cache.v, stop_step)
     assert torch.allclose(report.rho, 1 - trace.block_mass[..., :4].sum(-1), atol=1e-12)
+
+
+def test_block_score_bounds_cover_every_score_of_their_block():
+    from art_analysis.policies.quest import block_score_bounds
+
+    cache = synthetic_cache(2, 6, 2, 300, 16, seed=4)
+    lens = torch.tensor([300, 100])
+    bounds = block_score_bounds(cache.q, cache.k, cache.v, block_size=64, cache_seqlens=lens)
+    assert bounds.shape == (2, 6, 5)
+    scores = torch.einsum("bhd,bhsd->bhs", cache.q.double(), cache.k.double().repeat_interleave(3, dim=1))
+    for b in range(2):
+        for block in range(5):
+            part = slice(block * 64, min(block * 64 + 64, int(lens[b])))
+            if part.start >= part.stop:
+                assert torch.all(bounds[b, :, block] == 0)
+                continue
+            assert torch.all(bounds[b, :, block] >= scores[b, :, part].amax(-1) - 1e-9)

@@ -2,10 +2,13 @@ import pytest
 import torch
 
 from art_analysis.analysis.end_to_end import RuleAttention, compare_generation, greedy_continuation
+from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
 from art_analysis.corpus import passkey_prompt
 from art_analysis.models import cache_argument
-from art_analysis.termination import ARTConfig, FixedBudget
+from art_analysis.policies.quest import block_score_bounds
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig, FixedBudget, stop
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,29 @@ def test_rules_in_the_decode_loop(loaded, prompt):
     # One block of five (320 prompt tokens plus the decoded ones, 64-token blocks) per call.
     assert 0.15 < rows["one_block"]["loaded_fraction"] < 0.25
     assert rows["one_block"]["first_divergence"] <= 4
+
+
+def test_importance_order_walks_blocks_by_their_key_bound():
+    cache = synthetic_cache(1, 6, 2, 400, 16, preset="realistic", seed=5)
+    query = cache.q[:, :, None]                                  # [B, Hq, 1, D], as the model passes it
+    hook = RuleAttention(FixedBudget(2), block_size=64, order="importance")
+    out, _ = hook(None, None, query, cache.k, cache.v, None, scaling=0.25)
+    bounds = block_score_bounds(cache.q, cache.k, cache.v, block_size=64).view(1, 2, 3, -1).amax(2)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, order="importance",
+                                block_scores=bounds, sm_scale=0.25)
+    expected = stop(trace, FixedBudget(2)).output
+    assert out.shape == (1, 1, 6, 16)
+    torch.testing.assert_close(out[:, 0], expected.float())
+    top_two = bounds.topk(2, dim=-1).indices.sort(-1).values
+    assert torch.equal(trace.block_ids[..., :2].sort(-1).values, top_two)
+    assert hook.loaded == [pytest.approx(128 / 400)]
+
+
+def test_importance_order_in_the_decode_loop_keeps_the_full_output(loaded, prompt):
+    rows = compare_generation(loaded.model, loaded.tokenizer, [prompt], {"never": ARTConfig(tau=0.0, phi=0.0)},
+                              max_new_tokens=3, order="importance")
+    assert [r["order"] for r in rows] == ["importance", "importance"]
+    assert rows[1]["token_agreement"] == 1.0 and rows[1]["loaded_fraction"] == 1.0
 
 
 def test_bad_arguments(loaded, prompt):

@@ -24,6 +24,7 @@ import torch
 
 from ..blockwise import BlockTrace
 from ..checks import valid_token_mask
+from ..policies.quest import block_score_bounds
 
 
 @dataclass
@@ -99,21 +100,11 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     value_norm = torch.linalg.vector_norm(v64, dim=-1).masked_fill(~unvisited, 0.0)
     max_value = value_norm.amax(-1)
 
-    # Certified rho from per-block key min/max and the visited running state.
-    key_min = k64.masked_fill(~valid[..., None], float("inf"))
-    key_max = k64.masked_fill(~valid[..., None], float("-inf"))
-    pad = num_blocks * block_size - seqlen
-    if pad:
-        key_min = torch.nn.functional.pad(key_min, (0, 0, 0, pad), value=float("inf"))
-        key_max = torch.nn.functional.pad(key_max, (0, 0, 0, pad), value=float("-inf"))
-    key_min = key_min.view(batch, -1, num_blocks, block_size, dim).amin(3)
-    key_max = key_max.view(batch, -1, num_blocks, block_size, dim).amax(3)
-    qe = q.double()[:, :, None, :]
+    # Certified rho from per-block key min/max (Quest's bound) and the visited running state.
     tokens_unvisited = torch.zeros(batch, kv_heads * group, num_blocks, dtype=torch.float64, device=k.device)
     tokens_unvisited.scatter_add_(-1, block_of_token.expand_as(unvisited), unvisited.double())
-    # Blocks without unvisited tokens add nothing (their key bounds may be infinite).
-    upper = torch.maximum(qe * key_max, qe * key_min).sum(-1) * trace.sm_scale
-    upper = upper.masked_fill(tokens_unvisited == 0, float("-inf"))
+    upper = block_score_bounds(q, k, v, block_size=block_size, cache_seqlens=seqlens) * trace.sm_scale
+    upper = upper.masked_fill(tokens_unvisited == 0, float("-inf"))   # blocks left out add nothing
     index = stop_step[..., None]
     m_t = torch.gather(trace.running_max.double(), -1, index).squeeze(-1)
     l_t = torch.gather(trace.running_sum.double(), -1, index).squeeze(-1)

@@ -22,6 +22,7 @@ from ..attention_override import override_attention
 from ..blockwise import blockwise_attention
 from ..corpus import Prompt
 from ..models import cache_argument
+from ..policies.quest import block_score_bounds
 from ..termination import Rule, stop
 
 
@@ -44,8 +45,14 @@ class RuleAttention:
             return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if query.shape[0] != 1:
             raise ValueError("end-to-end evaluation decodes one sequence at a time (batch 1)")
-        trace = blockwise_attention(query[:, :, 0], key, value, block_size=self.block_size, order=self.order,
-                                    sm_scale=scaling)
+        q = query[:, :, 0]
+        block_scores = None
+        if self.order == "importance":
+            # Quest's key bound, max over the group: the block that could score highest comes first.
+            bounds = block_score_bounds(q, key, value, block_size=self.block_size)
+            block_scores = bounds.view(bounds.shape[0], key.shape[1], -1, bounds.shape[-1]).amax(2)
+        trace = blockwise_attention(q, key, value, block_size=self.block_size, order=self.order,
+                                    sm_scale=scaling, block_scores=block_scores)
         if self.rule is None:
             output = trace.final_out
             self.loaded.append(1.0)
@@ -76,9 +83,10 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         prompts: retrieval prompts with token ids (built with the model's tokenizer).
         rules: name -> stopping rule; ``"dense"`` (``None``) is added as the reference.
         max_new_tokens: generated tokens per prompt (the first comes from the dense prefill).
+        block_size, order: the walk of every decode attention call (see :class:`RuleAttention`).
 
     Returns:
-        One row per rule: ``rule, accuracy`` (share of prompts whose answer appears in the
+        One row per rule: ``rule, order, accuracy`` (share of prompts whose answer appears in the
         generated text), ``token_agreement`` (share of generated tokens equal to dense decoding),
         ``first_divergence`` (mean index of the first token that differs, ``max_new_tokens`` if
         none), ``loaded_fraction`` (mean over layers, decode steps and prompts), ``prompts``.
@@ -111,13 +119,13 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             entry["divergence"] += same.index(False) if False in same else max_new_tokens
             entry["loaded"].extend(hook.loaded)
     count = len(prompts)
-    return [dict(rule=name if rules[name] is None else f"{name}: {rules[name].name}",
+    return [dict(rule=name if rules[name] is None else f"{name}: {rules[name].name}", order=order,
                  accuracy=entry["correct"] / count, token_agreement=entry["agree"] / (count * max_new_tokens),
                  first_divergence=entry["divergence"] / count,
                  loaded_fraction=sum(entry["loaded"]) / len(entry["loaded"]), prompts=count)
             for name, entry in stats.items()]
 
 
-GENERATION_COLUMNS = ("rule", "accuracy", "token_agreement", "first_divergence", "loaded_fraction", "prompts")
+GENERATION_COLUMNS = ("rule", "order", "accuracy", "token_agreement", "first_divergence", "loaded_fraction", "prompts")
 GENERATION_FORMATS = {"accuracy": ".2f", "token_agreement": ".3f", "first_divergence": ".1f",
                       "loaded_fraction": ".3f"}

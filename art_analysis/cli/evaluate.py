@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="first seed; prompt i uses seed + i")
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--order", choices=("sink_recency", "importance"), default="sink_recency",
+                        help="walk order of every decode attention call (importance: Quest's key bound)")
     add_art_options(parser)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.set_defaults(func=run)
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [build(args.context, depth=depth, seed=args.seed + i, tokenizer=loaded.tokenizer)
                for i, depth in enumerate(args.depths)]
     rows = compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(art_config_from_args(args)),
-                              max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+                              max_new_tokens=args.max_new_tokens, block_size=args.block_size, order=args.order)
     print(format_table(rows, GENERATION_COLUMNS, GENERATION_FORMATS))
     if args.json:
         write_json_atomic(args.json, rows)

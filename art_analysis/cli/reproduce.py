@@ -165,15 +165,19 @@ def _model_capture(loaded, args: argparse.Namespace, context: int):
 
 
 def _passkey_generation(loaded, block_size: int, context: int) -> list[dict]:
-    """Passkey retrieval with each rule inside the model's decode attention (five needle depths)."""
+    """Passkey retrieval with each rule inside the model's decode attention (five needle depths), walking
+    sink-then-newest and by Quest's key bound."""
     from ..analysis.end_to_end import compare_generation
     from ..corpus import passkey_prompt
     from .evaluate import evaluation_rules
 
     prompts = [passkey_prompt(context, depth=depth, seed=i, tokenizer=loaded.tokenizer)
                for i, depth in enumerate(PASSKEY_DEPTHS)]
-    return compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(ARTConfig()),
-                              max_new_tokens=PASSKEY_NEW_TOKENS, block_size=block_size)
+    rows = []
+    for order in ("sink_recency", "importance"):
+        rows += compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(ARTConfig()),
+                                   max_new_tokens=PASSKEY_NEW_TOKENS, block_size=block_size, order=order)
+    return rows
 
 
 def _decode_inputs(capture) -> list:
@@ -288,7 +292,9 @@ def _generation_section(results: dict) -> list[str]:
         f"The simulator's truncated output replaces the model's attention at every decode step of every "
         f"layer (the prefill stays dense). Passkey prompts of {results['context']} tokens, needle depths "
         f"{list(PASSKEY_DEPTHS)}, {PASSKEY_NEW_TOKENS} greedy tokens; accuracy counts prompts whose passkey "
-        "appears in the output, agreement compares tokens with dense decoding:",
+        "appears in the output, agreement compares tokens with dense decoding. `sink_recency` walks the sink "
+        "block, then newest first; `importance` walks blocks by Quest's per-block key bound on the score "
+        "(max over the group's heads), highest first:",
         "",
         "```",
         format_table(results["generation"], GENERATION_COLUMNS, GENERATION_FORMATS),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import SelectionInputs, SelectionPolicy
+from .base import SelectionInputs, SelectionPolicy, validate_inputs
 from .budget import Budget, budget_tokens, check_budget, check_count, keep_top_blocks, tokens_to_blocks
 from .scores import check_group_reduce, grouped_queries, reduce_group
 
@@ -41,6 +41,20 @@ def page_score_bound(queries: torch.Tensor, key_min: torch.Tensor, key_max: torc
     """
     q = queries[..., :, None, :]
     return torch.maximum(q * key_max[..., None, :, :], q * key_min[..., None, :, :]).sum(-1)
+
+
+def block_score_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int,
+                       cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest's bound on ``q . k`` over every block, per query head: ``[B, Hq, nb]`` float64.
+
+    ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` (``v`` is only checked).  Blocks without a valid
+    token get 0.  Multiply by the softmax scale for a bound on the logits.
+    """
+    inputs = validate_inputs(k, v, queries=q[:, :, None], layer=None, num_layers=None, block_size=block_size,
+                             cache_seqlens=cache_seqlens)
+    key_min, key_max = page_key_bounds(inputs)
+    bound = page_score_bound(grouped_queries(inputs), key_min[:, :, None], key_max[:, :, None])
+    return bound.squeeze(3).flatten(1, 2)                                   # [B, Hkv, G, 1, nb] -> [B, Hq, nb]
 
 
 @dataclass(frozen=True)
