@@ -94,3 +94,9 @@ def test_reproduce_quick_writes_report_and_figures(tmp_path, capsys):
                  "flexprefill_kept_vs_gamma.png", "flexprefill_error_vs_gamma.png"):
         assert (tmp_path / name).stat().st_size > 10_000
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")
+def test_bench_command_explains_that_it_needs_a_gpu(capsys):
+    assert main(["bench", "--suite", "decode"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import importlib.util
 import json
 from pathlib import Path
@@ -26,6 +27,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("art-analysis bench: error: the benchmarks time Triton kernels on a CUDA GPU and none is "
+              "available here; run it on a GPU machine (e.g. bash scripts/gpu_decode.sh)", file=sys.stderr)
+        return 2
     if args.capture is not None and not args.capture.is_file():
         raise FileNotFoundError(f"--capture {args.capture} is not a file")
     summaries = {}
