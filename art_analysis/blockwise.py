@@ -15,7 +15,9 @@ Two modes:
 * ``"exact"`` (float64): per-block log-sum-exps ``L_j`` and block mean values
   ``Obar_j = sum_{i in j} exp(s_i - L_j) v_i`` are computed for all blocks at once (in
   chunks of the sequence to bound memory), then ``O^(t) = sum_{u<=t} w_u Obar_u /
-  sum_{u<=t} w_u`` with ``w_u = exp(L_u - L_total)``.  No Python loop over blocks.
+  sum_{u<=t} w_u`` with ``w_u = exp(L_u - L_total)``.  No Python loop over blocks.  (This
+  needs every visited prefix to hold more than ``e^-700`` of the walk's softmax mass, far
+  beyond any real logit range.)
 * ``"kernel"`` (float32): the online recurrence exactly as a FlashAttention-2 decode
   kernel runs it, one step at a time::
 
