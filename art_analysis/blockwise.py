@@ -131,7 +131,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
 class BlockwiseAttention(nn.Module):
     """``nn.Module`` form of :func:`blockwise_attention` for use inside models.
 
-    ``forward(q [B, Hq, D], k [B, Hkv, S, D], v, cache_seqlens=None, selection=None)``
+    ``forward(q [B, Hq, D], k [B, Hkv, S, D], v, cache_seqlens=None, selection=None, block_scores=None)``
     returns the :class:`BlockTrace`; its ``final_out`` is the attention output.
     """
 
@@ -140,10 +140,10 @@ class BlockwiseAttention(nn.Module):
         super().__init__()
         self.block_size, self.order, self.sm_scale, self.mode = block_size, order, sm_scale, mode
 
-    def forward(self, q, k, v, cache_seqlens=None, selection=None) -> BlockTrace:
+    def forward(self, q, k, v, cache_seqlens=None, selection=None, block_scores=None) -> BlockTrace:
         return blockwise_attention(q, k, v, block_size=self.block_size, order=self.order,
                                    cache_seqlens=cache_seqlens, selection=selection,
-                                   sm_scale=self.sm_scale, mode=self.mode)
+                                   sm_scale=self.sm_scale, mode=self.mode, block_scores=block_scores)
 
 
 def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):

@@ -251,6 +251,21 @@ class KVCapture:
         q, k, v = self.layer(layer)
         return q[:, :, step], k, v, seqlens
 
+    def policy_inputs(self, step: int) -> list[tuple]:
+        """One tuple per captured layer for decode `step` (negative counts from the end):
+        ``(q [B, Hq, D], k, v [B, Hkv, S, D], cache_seqlens [B], queries [B, Hq, step + 1, D], layer,
+        num_layers)``, where ``queries`` are the decode queries up to `step` (an observation window
+        for query-aware policies), ``layer`` is the model's layer index and ``num_layers`` the
+        model's layer count (also for a capture sliced to fewer layers)."""
+        if isinstance(step, int) and not isinstance(step, bool) and -self.decode_steps <= step < 0:
+            step += self.decode_steps
+        num_layers = int(self._metadata["model"]["num_layers"])
+        inputs = []
+        for layer in self.layers:
+            q, k, v, seqlens = self.decode_inputs(layer, step)
+            inputs.append((q, k, v, seqlens, self.layer(layer)[0][:, :, : step + 1], layer, num_layers))
+        return inputs
+
     # ------------------------------------------------------------------ views
     def _derive(self, view: _View) -> KVCapture:
         return KVCapture(self._metadata, self._token_ids, self._generated_ids, self._read_layer, view)

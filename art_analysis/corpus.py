@@ -28,7 +28,6 @@ from pathlib import Path
 from .checks import check_int
 
 LONG_TEXT_SOURCES = ("stdlib", "docs")
-PROMPT_KINDS = ("passkey", "niah")
 
 PASSKEY_PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                   "I will quiz you about the important information there.\n\n")

@@ -27,7 +27,7 @@ each probe's norms and dot products once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 import torch
@@ -358,12 +358,3 @@ def _result(trace: BlockTrace, stop_step: torch.Tensor) -> StopResult:
                                                  min=_TINY)
     return StopResult(stop_step=stop_step, output=output, loaded_fraction=loaded_fraction,
                       rel_error=rel_error, cos_error=1 - cos)
-
-
-def rule_fields(rule: Rule) -> dict:
-    """The settings of a rule as a flat ``dict`` (for tables and JSON)."""
-    values = {}
-    for f in fields(rule):
-        value = getattr(rule, f.name)
-        values[f.name] = value.tolist() if isinstance(value, torch.Tensor) else value
-    return {"rule": type(rule).__name__, **values}

@@ -290,6 +290,9 @@ def _check_tensors(q, k_cache, v_cache, block_table):
         raise ValueError(f"head dim D must be one of {HEAD_DIMS}, got {head_dim}")
     if k_cache.shape[-1] != head_dim:
         raise ValueError(f"head dim mismatch: q has D={head_dim}, k_cache and v_cache have D={k_cache.shape[-1]}")
+    if block_table is not None and (k_cache.shape[0] < 1 or k_cache.shape[1] < 1):
+        raise ValueError(f"paged k_cache {layout} needs at least one page of at least one token, "
+                         f"got {tuple(k_cache.shape)}")
     if block_table is None and k_cache.shape[0] != batch:
         raise ValueError(f"contiguous k_cache must be [B, Hkv, S, D] with B={batch}, got {tuple(k_cache.shape)} "
                          "(pass block_table for the paged layout)")
@@ -309,6 +312,8 @@ def _check_tensors(q, k_cache, v_cache, block_table):
 def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
     """``(seqlens [B] int32 on device, max length)``; validates ``1 <= len <= capacity`` (one sync)."""
     if cache_seqlens is None:
+        if capacity < 1:
+            raise ValueError(f"the KV cache holds no token ({capacity_name} = {capacity}); it needs at least one")
         return torch.full((batch,), capacity, dtype=torch.int32, device=device), capacity
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor [B], got {type(cache_seqlens).__name__}")

@@ -100,3 +100,32 @@ def test_reproduce_quick_writes_report_and_figures(tmp_path, capsys):
 def test_bench_command_explains_that_it_needs_a_gpu(capsys):
     assert main(["bench", "--suite", "decode"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_art_options_override_only_what_is_given():
+    from art_analysis.cli import build_parser
+    from art_analysis.cli.art_options import art_config_from_args
+
+    def config(*argv):
+        return art_config_from_args(build_parser().parse_args(["simulate", *argv]))
+
+    assert config().name == ARTConfig().name
+    paper = config("--paper", "--patience", "3")
+    assert (paper.tau, paper.patience, paper.probe_source) == (1e-7, 3, "accumulator")
+    assert config("--tau", "0.5", "--group", "head").name == ARTConfig(tau=0.5, group="head").name
+
+
+def test_analysis_inputs_are_checked():
+    from art_analysis.analysis.bounds import truncation_report
+
+    cache = synthetic_cache(1, 4, 2, 100, 8)
+    with pytest.raises(ValueError, match="seqlen"):
+        token_scores(cache.q[0], cache.k[0], cache.v[0], 101)
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        token_scores(cache.q[0, :3], cache.k[0], cache.v[0], 50)
+    lens = torch.tensor([60])
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=16, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="lengths the trace was built with"):
+        truncation_report(trace, cache.q, cache.k, cache.v, torch.zeros(1, 4, dtype=torch.long))
+    report = truncation_report(trace, cache.q, cache.k, cache.v, torch.zeros(1, 4, dtype=torch.long), lens)
+    assert torch.all(report.rho > 0)

@@ -96,3 +96,12 @@ def test_gpu_tensors_must_share_one_device():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="must be on one device"):
         art_decode(q.cuda(), k, v)
+
+
+def test_an_empty_cache_is_rejected():
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(ValueError, match="holds no token"):
+        art_decode(q, torch.randn(1, 1, 0, 64), torch.randn(1, 1, 0, 64))
+    with pytest.raises(ValueError, match="at least one page"):
+        art_decode(q, torch.randn(4, 0, 1, 64), torch.randn(4, 0, 1, 64),
+                   block_table=torch.zeros(1, 2, dtype=torch.int32))

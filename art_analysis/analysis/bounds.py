@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blockwise import BlockTrace
-from ..checks import valid_token_mask
+from ..checks import check_cache_seqlens, valid_token_mask
 from ..policies.quest import block_score_bounds
 
 
@@ -64,8 +64,12 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     group = trace.group_size
     if tuple(stop_step.shape) != tuple(trace.final_out.shape[:2]):
         raise ValueError(f"stop_step must be [B, Hq]={tuple(trace.final_out.shape[:2])}, got {tuple(stop_step.shape)}")
-    seqlens = torch.full((batch,), seqlen, device=k.device) if cache_seqlens is None else cache_seqlens.long()
+    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     block_size = trace.block_size
+    implied = (seqlens[:, None, None] - trace.block_ids.clamp(min=0) * block_size).clamp(0, block_size)
+    if not torch.equal(torch.where(trace.block_ids >= 0, implied, 0), trace.block_tokens.to(implied.device)):
+        raise ValueError("cache_seqlens must be the lengths the trace was built with (the valid tokens of its "
+                         "blocks differ)")
     num_blocks = -(-seqlen // block_size)
     block_of_token = torch.arange(seqlen, device=k.device) // block_size
 

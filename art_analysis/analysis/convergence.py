@@ -28,7 +28,9 @@ def mean_error_at(traces: Sequence[BlockTrace], fractions: torch.Tensor) -> torc
     For each head, the error at fraction ``f`` is that of the last step whose loaded fraction
     is ``<= f`` (error 1 before the first block).  Returns ``[len(fractions)]`` float64.
     """
-    fractions = torch.as_tensor(fractions, dtype=torch.float64)
+    if not traces:
+        raise ValueError("mean_error_at needs at least one trace")
+    fractions = torch.as_tensor(fractions, dtype=torch.float64, device=traces[0].partial_out.device)
     totals = torch.zeros_like(fractions)
     count = 0
     for trace in traces:
@@ -36,7 +38,7 @@ def mean_error_at(traces: Sequence[BlockTrace], fractions: torch.Tensor) -> torc
         loaded, error = loaded.flatten(0, 1), error.flatten(0, 1)                # [N, T]
         position = torch.searchsorted(loaded.contiguous(), fractions.expand(loaded.shape[0], -1).contiguous(),
                                       right=True) - 1
-        padded = torch.cat([error, torch.ones(error.shape[0], 1, dtype=error.dtype)], dim=-1)
+        padded = torch.cat([error, torch.ones(error.shape[0], 1, dtype=error.dtype, device=error.device)], dim=-1)
         at = torch.gather(padded, 1, torch.where(position >= 0, position, error.shape[1]))
         totals += at.sum(0)
         count += at.shape[0]

@@ -19,6 +19,13 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
     Returns:
         ``(score, contribution)``, both ``[Hkv, seqlen]`` float64 (max over the group's query heads).
     """
+    if q.dim() != 2 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"expected q [Hq, D] and k, v [Hkv, S, D] with one D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] % k.shape[0]:
+        raise ValueError(f"Hq % Hkv must be 0, got Hq={q.shape[0]}, Hkv={k.shape[0]}")
+    if not 1 <= seqlen <= k.shape[1]:
+        raise ValueError(f"seqlen must lie in [1, S={k.shape[1]}], got {seqlen}")
     kv_heads = k.shape[0]
     group = q.shape[0] // kv_heads
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale

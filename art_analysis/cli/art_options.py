@@ -1,28 +1,30 @@
-"""Command-line options that build an :class:`~art_analysis.termination.ARTConfig`."""
+"""Command-line options that build an :class:`~art_analysis.termination.ARTConfig`.
+
+Only the options given on the command line override the preset (``ARTConfig()``, or
+``ARTConfig.paper()`` with ``--paper``).
+"""
 from __future__ import annotations
 
 import argparse
 
 from ..termination import GROUPS, PROBE_DIM_NAMES, PROBE_SOURCES, SCALES, ARTConfig
 
+OPTIONS = {"tau": float, "phi": float, "patience": int, "min_steps": int}
+CHOICES = {"probe_source": PROBE_SOURCES, "probe_dims": PROBE_DIM_NAMES, "scale": SCALES, "group": GROUPS}
+
 
 def add_art_options(parser: argparse.ArgumentParser) -> None:
     defaults = ARTConfig()
-    group = parser.add_argument_group("ART (defaults: the project's ARTConfig())")
-    group.add_argument("--paper", action="store_true", help="use ARTConfig.paper() instead of the defaults")
-    group.add_argument("--tau", type=float, default=defaults.tau)
-    group.add_argument("--phi", type=float, default=defaults.phi)
-    group.add_argument("--patience", type=int, default=defaults.patience)
-    group.add_argument("--min-steps", type=int, default=defaults.min_steps)
-    group.add_argument("--probe-source", choices=PROBE_SOURCES, default=defaults.probe_source)
-    group.add_argument("--probe-dims", choices=PROBE_DIM_NAMES, default=defaults.probe_dims)
-    group.add_argument("--scale", choices=SCALES, default=defaults.scale)
-    group.add_argument("--group", choices=GROUPS, default=defaults.group)
+    group = parser.add_argument_group("ART (each option overrides the preset: ARTConfig(), or the paper's)")
+    group.add_argument("--paper", action="store_true", help="start from ARTConfig.paper() instead of ARTConfig()")
+    for name, kind in OPTIONS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                           help=f"default {getattr(defaults, name)}")
+    for name, choices in CHOICES.items():
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, choices=choices, default=None,
+                           help=f"default {getattr(defaults, name)}")
 
 
 def art_config_from_args(args: argparse.Namespace) -> ARTConfig:
-    if args.paper:
-        return ARTConfig.paper(group=args.group)
-    return ARTConfig(tau=args.tau, phi=args.phi, patience=args.patience, min_steps=args.min_steps,
-                     probe_source=args.probe_source, probe_dims=args.probe_dims, scale=args.scale,
-                     group=args.group)
+    given = {name: getattr(args, name) for name in (*OPTIONS, *CHOICES) if getattr(args, name) is not None}
+    return ARTConfig.paper(**given) if args.paper else ARTConfig(**given)

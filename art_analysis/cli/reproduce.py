@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
         loaded = load_model(args.model)
         capture, folder = _model_capture(loaded, args, context)
-        sources["smollm2"] = _decode_inputs(capture)
+        sources["smollm2"] = capture.policy_inputs(-1)
         flexprefill_args += ["--capture", str(folder)]
         generation = _passkey_generation(loaded, args.block_size, context)
     seqlen = 2048 if args.quick else 8192
@@ -178,17 +178,6 @@ def _passkey_generation(loaded, block_size: int, context: int) -> list[dict]:
         rows += compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(ARTConfig()),
                                    max_new_tokens=PASSKEY_NEW_TOKENS, block_size=block_size, order=order)
     return rows
-
-
-def _decode_inputs(capture) -> list:
-    """One input per layer at the last decode step:
-    ``(q, k, v, cache_seqlens, decode queries so far, layer, num_layers)``."""
-    step = capture.decode_steps - 1
-    inputs = []
-    for layer in capture.layers:
-        q, k, v, seqlens = capture.decode_inputs(layer, step)
-        inputs.append((q, k, v, seqlens, capture.layer(layer)[0][:, :, : step + 1], layer, len(capture.layers)))
-    return inputs
 
 
 def _bounds_summary(traces: list, inputs: list, rule: ARTConfig) -> dict:

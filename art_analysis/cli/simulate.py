@@ -45,15 +45,22 @@ def run(args: argparse.Namespace) -> int:
     art = art_config_from_args(args)
     inputs = list(_inputs(args))
     traces = []
-    for q, k, v, seqlens, queries, layer, num_layers in inputs:
-        selection = None
-        if args.policy:
-            from ..policies import parse_spec
+    policy = None
+    if args.policy:
+        from ..policies import parse_spec
 
-            selection = parse_spec(args.policy).select(k, v, queries=queries, layer=layer, num_layers=num_layers,
-                                                       block_size=args.block_size, cache_seqlens=seqlens)
-        traces.append(blockwise_attention(q, k, v, block_size=args.block_size, order=args.order,
-                                          cache_seqlens=seqlens, selection=selection, mode=args.mode))
+        policy = parse_spec(args.policy)
+    for q, k, v, seqlens, queries, layer, num_layers in inputs:
+        if policy is None:
+            traces.append(blockwise_attention(q, k, v, block_size=args.block_size, order=args.order,
+                                              cache_seqlens=seqlens, mode=args.mode))
+        else:
+            from ..policies.compose import simulate_policy
+
+            # The walk the paged kernel makes over the kept blocks (see policies.compose).
+            traces.append(simulate_policy(policy, q, k, v, queries=queries, layer=layer, num_layers=num_layers,
+                                          block_size=args.block_size, order=args.order, cache_seqlens=seqlens,
+                                          mode=args.mode).trace)
     rows = summarize(traces, standard_rules(art))
     print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
     if args.json:
@@ -67,12 +74,9 @@ def _inputs(args):
         from ..capture import KVCapture
 
         capture = KVCapture.load(args.capture)
-        step = args.step % capture.decode_steps if args.step < 0 else args.step
-        layers = capture.layers if args.layer is None else [args.layer]
-        for layer in layers:
-            q, k, v, seqlens = capture.decode_inputs(layer, step)
-            queries = capture.layer(layer)[0][:, :, : step + 1]
-            yield q, k, v, seqlens, queries, layer, len(capture.layers)
+        if args.layer is not None:
+            capture = capture.select(layers=[args.layer])
+        yield from capture.policy_inputs(args.step)
         return
     try:
         q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
