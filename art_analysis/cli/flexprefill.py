@@ -18,6 +18,7 @@ from kernels.results_io import write_json_atomic
 
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
+from .head_counts import parse_head_counts
 
 COLUMNS = ("input", "gamma", "kept_fraction", "rel_error", "query_aware_heads")
 FORMATS = {"gamma": ".3f", "kept_fraction": ".3f", "rel_error": ".4f", "query_aware_heads": ".2f"}
@@ -97,10 +98,7 @@ def _inputs(args):
         return
     from kernels.bench_flexprefill import structured_prefill
 
-    try:
-        q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
-    except ValueError:
-        raise ValueError(f"--heads must look like 8/4 (query/KV heads), got {args.heads!r}") from None
+    q_heads, kv_heads = parse_head_counts(args.heads)
     q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
                                  dtype=torch.float32, device="cpu")
     yield "synthetic", 0, q, k, v

@@ -14,6 +14,7 @@ from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, su
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
 from .art_options import add_art_options, art_config_from_args
+from .head_counts import parse_head_counts
 
 
 def register(subparsers) -> None:
@@ -78,10 +79,7 @@ def _inputs(args):
             capture = capture.select(layers=[args.layer])
         yield from capture.policy_inputs(args.step)
         return
-    try:
-        q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
-    except ValueError:
-        raise ValueError(f"--heads must look like 32/8 (query/KV heads), got {args.heads!r}") from None
+    q_heads, kv_heads = parse_head_counts(args.heads)
     cache = synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim, preset=args.synthetic,
                             seed=args.seed)
     seqlens = torch.full((args.batch,), args.seqlen)
