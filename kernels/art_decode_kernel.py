@@ -17,11 +17,14 @@ as the simulator's ``mode="kernel"`` replay (``art_analysis.blockwise``)::
 With ``ART`` the walk runs in chunks of ``ART_CHUNK`` steps (an inner, software-pipelined
 loop whose K/V loads do not depend on the monitor, so they can be issued stages ahead).
 The leader split (split 0) evaluates the monitor of ``kernels.art_params`` after every
-step and latches a per-head *done* bit; once every head of the group is done the state is
-frozen (the loads already in flight for the rest of the chunk are discarded), the program
+step and latches a per-head *done* bit; once every head of the group is done, the state
+of that step is kept (a copy taken with ``where`` while the walk runs: the online-softmax
+recurrence itself never waits for the monitor, and the blocks of the rest of the chunk,
+already in flight in the pipeline, update only the discarded running state), the program
 issues no K/V loads past its current chunk, and it raises the ``(b, kv_head)`` *converged*
-flag in global memory.  Follower splits poll that flag between chunks and stop too; the
-combine then ignores them (see ``kernels.art_decode``).
+flag in global memory.  Follower splits run the plain dense loop (no monitor) in chunks,
+poll that flag between chunks and stop too; the combine then ignores them (see
+``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -99,7 +102,7 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     squares, dot = tl.split(tl.sum(tl.join(square, product), 1))
     norm = tl.sqrt_rn(squares)
     if PROBE_OUTPUT:
-        inv_l = 1.0 / l_new
+        inv_l = 1.0 / tl.maximum(l_new, 1e-30)
         norm = norm * inv_l
         dot = dot * inv_l / tl.maximum(l_old, 1e-30)
     stable = step >= first_counted
@@ -163,6 +166,8 @@ def art_decode_split_kernel(
         count = tl.zeros([BLOCK_H], tl.int32)
         done = tl.zeros([BLOCK_H], tl.int32)
         group_done = start * 0
+        # the state at the leader's stop step (the walk's state while it has not stopped)
+        stop_m, stop_l, stop_acc = m, l, acc
         step = start
         if SINGLE_SPLIT:
             converged = 0
@@ -171,30 +176,40 @@ def art_decode_split_kernel(
         go = (step < end) & (converged == 0)
         while go:
             chunk_end = tl.minimum(step + ART_CHUNK, end)
-            for t in tl.range(step, chunk_end):
-                active = group_done == 0
-                valid, k_rows, v_rows = _block_rows(
-                    t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
-                    stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                    BLOCK_N, SINK_RECENCY, PAGED)
-                m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows,
-                                                      sm_scale, HEAD_DIM, DOT_PRECISION)
-                norm_new, count_new, done_new = _probe_update(
-                    acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
-                    probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
-                m = tl.where(active, m_new, m)
-                l = tl.where(active, l_new, l)
-                acc = tl.where(active, acc_new, acc)
-                norm = tl.where(active, norm_new, norm)
-                count = tl.where(active, count_new, count)
-                done = tl.where(active & is_leader, done_new, done)
-                visited += active.to(visited.dtype)
-                group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
+            if is_leader:
+                for t in tl.range(step, chunk_end):
+                    valid, k_rows, v_rows = _block_rows(
+                        t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+                        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                        BLOCK_N, SINK_RECENCY, PAGED)
+                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows,
+                                                          sm_scale, HEAD_DIM, DOT_PRECISION)
+                    norm, count, done = _probe_update(
+                        acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
+                        probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
+                    running = group_done == 0
+                    stop_m = tl.where(running, m_new, stop_m)
+                    stop_l = tl.where(running, l_new, stop_l)
+                    stop_acc = tl.where(running, acc_new, stop_acc)
+                    visited += running.to(visited.dtype)
+                    group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
+                    m, l, acc = m_new, l_new, acc_new
+            else:
+                for t in tl.range(step, chunk_end):
+                    valid, k_rows, v_rows = _block_rows(
+                        t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+                        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                        BLOCK_N, SINK_RECENCY, PAGED)
+                    m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
+                                              HEAD_DIM, DOT_PRECISION)
+                visited += chunk_end - step
+                stop_m, stop_l, stop_acc = m, l, acc
             step = chunk_end
             if not SINGLE_SPLIT:
                 tl.store(flag_ptr + bh, 1, mask=tl.where(is_leader, group_done, 0) != 0)
                 converged = tl.load(flag_ptr + bh, volatile=True)
             go = (step < end) & (group_done == 0) & (converged == 0)
+        m, l, acc = stop_m, stop_l, stop_acc
     else:
         for t in tl.range(start, end):
             valid, k_rows, v_rows = _block_rows(
