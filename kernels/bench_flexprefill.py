@@ -30,7 +30,7 @@ import triton.testing
 from tqdm.auto import tqdm
 
 from kernels.block_sparse import KernelConfig, block_sparse_attention, default_config, flexprefill_attention
-from kernels.flexprefill_estimate import estimate_block_mask, query_aware_blocks, representative_lines
+from kernels.flexprefill_estimate import _token_means, estimate_block_mask, query_aware_blocks, representative_lines
 from kernels.results_io import write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
@@ -176,7 +176,7 @@ def bench_case(q, k, v, *, data: str, gammas, tau: float, block_size: int, min_b
                  "rel_error_vs_sdpa": _relative_error(dense_out, reference)})
     del k_rep, v_rep, dense_out
     lines_ms = _median_ms(lambda: representative_lines(q, k, block_size=block_size, sm_scale=d ** -0.5), rep_ms)
-    key_means = torch.nn.functional.pad(k, (0, 0, 0, nb * block_size - n)).unflatten(2, (nb, block_size)).float().mean(3)
+    key_means, query_means = _token_means(k, block_size), _token_means(q, block_size)
     for gamma in gammas:
         params = dict(gamma=gamma, tau=tau, block_size=block_size, min_budget=min_budget)
         torch.cuda.synchronize()
@@ -196,9 +196,8 @@ def bench_case(q, k, v, *, data: str, gammas, tau: float, block_size: int, min_b
         call_ms = _median_ms(lambda: flexprefill_attention(q, k, v, config=config, **params), rep_ms)
         rows.append({**common, "method": "estimate", "ms": est_ms})
         rows.append({**common, "method": "estimate_lines_only", "ms": lines_ms})
-        aware_ms = _median_ms(lambda: query_aware_blocks(q, key_means, gamma=gamma, block_size=block_size,
-                                                         scale=d ** -0.5, lowest=min_budget // block_size,
-                                                         highest=nb), rep_ms)
+        aware_ms = _median_ms(lambda: query_aware_blocks(query_means, key_means, gamma=gamma, scale=d ** -0.5,
+                                                         lowest=min_budget // block_size, highest=nb), rep_ms)
         rows.append({**common, "method": "estimate_query_aware_all_heads", "ms": aware_ms})
         rows.append({**common, "method": "kernel_sparse", "ms": kernel_ms,
                      "ms_per_tile_over_sdpa": (kernel_ms / kept) / (sdpa_ms / causal_tiles)})

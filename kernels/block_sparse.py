@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.block_sparse_kernel import block_sparse_attention_kernel
+from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_table_kernel
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs
 
@@ -28,12 +28,17 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape and launch parameters; ``block_m`` and ``block_n`` must divide the block size."""
+    """Tile shape and launch parameters; ``block_m`` and ``block_n`` must divide the block size.
+
+    ``heads_first``: launch order; False walks one head's query tiles (longest first) before the
+    next head's, True runs one query tile of every head side by side (longest first overall).
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    heads_first: bool = False
 
 
 def default_config(head_dim: int, block_size: int) -> KernelConfig:
@@ -48,22 +53,23 @@ def default_config(head_dim: int, block_size: int) -> KernelConfig:
     return KernelConfig(min(block_size, 128), min(block_size, 64), 4, 3)
 
 
-def column_table(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row key-block lists from a block mask, without host synchronisation.
+def column_table(block_mask: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row key-block lists from a block mask, on the device, without host synchronisation.
 
     Args:
         block_mask: ``[B, H, nb, nb]`` bool; tiles above the diagonal are dropped.
+        chunk: mask entries a program scans per step (power of two; default ``min(1024, nb)``).
     Returns:
         ``cols [B, H, nb, nb]`` int32 (the first ``counts`` entries of each row hold its kept
-        key blocks in ascending order; the rest are padding) and ``counts [B, H, nb]`` int32.
+        key blocks in ascending order; the rest are unwritten) and ``counts [B, H, nb]`` int32.
     """
-    nb = block_mask.shape[-1]
-    idx = torch.arange(nb, device=block_mask.device)
-    mask = block_mask & (idx[None, :] <= idx[:, None])
-    slot = torch.where(mask, mask.cumsum(dim=-1) - 1, nb)
-    table = torch.zeros(*mask.shape[:-1], nb + 1, dtype=torch.int32, device=mask.device)
-    table.scatter_(-1, slot, idx.to(torch.int32).expand_as(slot).contiguous())
-    return table[..., :nb], mask.sum(dim=-1, dtype=torch.int32)
+    b, h, nb, _ = block_mask.shape
+    cols = torch.empty(b, h, nb, nb, dtype=torch.int32, device=block_mask.device)
+    counts = torch.empty(b, h, nb, dtype=torch.int32, device=block_mask.device)
+    mask = block_mask.view(torch.uint8)
+    column_table_kernel[(nb, b * h)](mask, cols, counts, nb, h, *mask.stride(), *cols.stride(), *counts.stride(),
+                                     CHUNK=chunk or min(1024, max(16, triton.next_power_of_2(nb))))
+    return cols, counts
 
 
 def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, causal: bool) -> None:
@@ -110,17 +116,21 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")
+    for name, x in (("k", k), ("v", v)):
+        if (cfg.block_n - 1) * abs(x.stride(2)) + (d - 1) * abs(x.stride(3)) >= 2 ** 31:
+            raise ValueError(f"{name}'s strides {x.stride()} are too large for int32 offsets inside a tile")
     cols, counts = column_table(block_mask)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out.new_empty(1, 1, 1)
-    grid = (triton.cdiv(n, cfg.block_m), b * hq)
+    q_programs = triton.cdiv(n, cfg.block_m)
+    grid = (b * hq, q_programs) if cfg.heads_first else (q_programs, b * hq)
     block_sparse_attention_kernel[grid](
         q, k, v, out, lse, cols, counts,
-        scale * math.log2(math.e), n, hq, hq // k.shape[1],
+        scale * math.log2(math.e), n, hq, hq // k.shape[1], q_programs,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *cols.stride(), *counts.stride(),
         HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RETURN_LSE=return_lse,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (out, lse) if return_lse else out
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.flexprefill_estimate_kernel import representative_line_sums_kernel, representative_row_stats_kernel
+from kernels.flexprefill_estimate_kernel import (block_means_kernel, representative_line_sums_kernel,
+                                                 representative_row_stats_kernel)
 from kernels.prefill_checks import check_prefill_inputs, check_selection_params
 
 
@@ -40,30 +41,46 @@ class FlexPrefillEstimate:
     lines: torch.Tensor
 
 
-def _launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_N, num_warps) for the representative-attention kernels.
+LINE_SUMS_CONFIG = {"block_n": 64, "split": 2}
 
-    ``BLOCK_N == ROWS`` keeps the shear width ``ROWS + BLOCK_N`` of the line-sum kernel a power
-    of two; the row-statistics kernel, which has no shear, takes ``2 * BLOCK_N`` keys a step.
+
+def _launch_config(rows: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, SPLIT, num_warps) for the representative-attention kernels.
+
+    One program holds all ``R`` rows (``ROWS`` = next power of two, at least 16), as ``SPLIT``
+    row tiles of at least 32 rows; the line-sum kernel walks ``BLOCK_N`` keys a step (its shear
+    is as wide as the tile), the row-statistics kernel, which has no shear, ``2 * BLOCK_N``.
     """
-    row_tile = max(16, min(64, triton.next_power_of_2(rows)))
-    return row_tile, row_tile, 4 if head_dim <= 64 else 8
+    row_tile = max(16, triton.next_power_of_2(rows))
+    block_n = min(row_tile, LINE_SUMS_CONFIG["block_n"])
+    split = LINE_SUMS_CONFIG["split"] if row_tile >= 64 else 1
+    return row_tile, block_n, split, 8 if row_tile * head_dim >= 128 * 64 else 4
+
+
+def _keys_per_program(n: int, heads: int, block_n: int, keys_per_program: int | None) -> int:
+    """Keys per program, a multiple of ``2 * block_n``: as given, or the largest of 4096, 2048, ...
+    that still gives at least 1024 programs (about 8 per SM on an H200)."""
+    step = 2 * block_n
+    if keys_per_program is None:
+        keys_per_program = 4096
+        while keys_per_program > step and heads * triton.cdiv(n, keys_per_program) < 1024:
+            keys_per_program //= 2
+    return max(step, keys_per_program // step * step)
 
 
 def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, sm_scale: float,
-                         keys_per_program: int = 4096) -> torch.Tensor:
+                         keys_per_program: int | None = None) -> torch.Tensor:
     """``[B, Hq, 2, N]`` float32: vertical (column) and slash (distance) sums of the last
     ``min(block_size, N)`` queries' causal softmax, divided by the row count."""
     b, hq, n, d = q.shape
     rows = min(block_size, n)
-    row_tile, block_n, num_warps = _launch_config(rows, d)
-    per_program = max(2 * block_n, keys_per_program // (2 * block_n) * (2 * block_n))
+    row_tile, block_n, split, num_warps = _launch_config(rows, d)
+    per_program = _keys_per_program(n, b * hq, block_n, keys_per_program)
     chunks = triton.cdiv(n, per_program)
-    row_groups = triton.cdiv(rows, row_tile)
     hkv = k.shape[1]
-    grid = (row_groups * (hq // hkv), chunks, b * hkv)
+    grid = (hq // hkv, chunks, b * hkv)
     qk_scale = sm_scale * math.log2(math.e)
-    shared = (qk_scale, n, rows, hkv, hq // hkv, row_groups, per_program, *q.stride(), *k.stride())
+    shared = (qk_scale, n, rows, hkv, hq // hkv, per_program, *q.stride(), *k.stride())
 
     row_max = torch.empty(b, hq, chunks, rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
@@ -72,10 +89,11 @@ def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, s
     top = row_max.amax(dim=2)
     lse2 = (top + torch.log2((row_sum * torch.exp2(row_max - top[:, :, None])).sum(dim=2))).contiguous()
 
-    lines = torch.zeros(2, b, hq, n, dtype=torch.float32, device=q.device)
+    lines = torch.empty(2, b, hq, n, dtype=torch.float32, device=q.device)
+    lines[1].zero_()
     representative_line_sums_kernel[grid](q, k, lse2, lines[0], lines[1], *shared, *lse2.stride(),
                                           *lines[0].stride(), HEAD_DIM=d, ROWS=row_tile, BLOCK_N=block_n,
-                                          num_warps=num_warps)
+                                          SPLIT=split, num_warps=num_warps)
     return lines.permute(1, 2, 0, 3) / rows
 
 
@@ -89,11 +107,18 @@ def _pool(x: torch.Tensor, block_size: int, dim: int) -> torch.Tensor:
     return x.unflatten(dim, (nb, block_size)).sum(dim=dim % x.dim() + 1, dtype=torch.float32)
 
 
-def _token_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[B, H, N, D] -> [B, H, nb, D]`` float32 block means over valid tokens."""
-    n = x.shape[2]
-    valid = torch.full((n,), 1.0, device=x.device)
-    return _pool(x, block_size, 2) / _pool(valid, block_size, 0)[:, None]
+def _token_means(x: torch.Tensor, block_size: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H, N, D] -> [B, H, nb, D]`` float32 block means over valid tokens; with ``heads``
+    (``[S]`` long, flat indices ``b * H + h``) only those heads, ``[1, S, nb, D]``, read in place."""
+    b, h, n, d = x.shape
+    if heads is None:
+        heads = torch.arange(b * h, device=x.device)
+    nb = -(-n // block_size)
+    out = torch.empty(heads.numel(), nb, d, dtype=torch.float32, device=x.device)
+    tile = min(triton.next_power_of_2(block_size), max(16, 16384 // d))
+    block_means_kernel[(heads.numel(), nb)](x, heads, out, n, block_size, h, *x.stride(), *out.stride(),
+                                            HEAD_DIM=d, TILE=tile)
+    return out.view(b, h, nb, d) if heads.numel() == b * h else out[None]
 
 
 def _cumsum(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
@@ -172,20 +197,21 @@ def js_pattern_distance(q: torch.Tensor, key_means: torch.Tensor, truth: torch.T
     return torch.sqrt((0.5 * divergence).clamp(min=0.0))
 
 
-def query_aware_blocks(q: torch.Tensor, key_means: torch.Tensor, *, gamma: float, block_size: int, scale: float,
+def query_aware_blocks(query_means: torch.Tensor, key_means: torch.Tensor, *, gamma: float, scale: float,
                        lowest: int, highest: int) -> torch.Tensor:
-    """Query-aware tiles ``[B, Hq, nb, nb]`` (causal) from block-mean queries and keys."""
+    """Query-aware tiles ``[B, Hq, nb, nb]`` (causal) from block-mean queries ``[B, Hq, nb, D]``
+    and keys ``[B, Hkv, nb, D]``."""
     nb = key_means.shape[2]
-    blocks = torch.arange(nb, device=q.device)
+    blocks = torch.arange(nb, device=key_means.device)
     causal = blocks[None, :] <= blocks[:, None]
-    pooled = torch.softmax((_grouped_logits(_token_means(q, block_size), key_means) * scale)
+    pooled = torch.softmax((_grouped_logits(query_means, key_means) * scale)
                            .masked_fill(~causal, float("-inf")), dim=-1)
     flat = pooled.flatten(-2)
     flat = flat / flat.sum(dim=-1, keepdim=True)
     chosen = _largest(flat, *_coverage(flat, gamma)).view_as(pooled)
 
     def row_best(count: int) -> torch.Tensor:
-        counts = torch.full(pooled.shape[:-1], count, dtype=torch.long, device=q.device)
+        counts = torch.full(pooled.shape[:-1], count, dtype=torch.long, device=pooled.device)
         return _largest(pooled, counts, pooled.topk(count, dim=-1).values[..., -1:])
 
     if highest < nb:
@@ -199,7 +225,7 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
                         block_size: int = 128, min_budget: int = 1024, max_budget: int | None = None,
                         sm_scale: float | None = None, budget_divisor: int | None = None,
                         union_vs_for_query_aware: bool = False, js_eps: float | None = 1e-10,
-                        keys_per_program: int = 4096) -> FlexPrefillEstimate:
+                        keys_per_program: int | None = None) -> FlexPrefillEstimate:
     """FlexPrefill's block selection on the device (arguments as ``select_blocks``).
 
     Args:
@@ -230,9 +256,8 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     if aware_heads.numel():
         b_idx, h_idx = aware_heads // q.shape[1], aware_heads % q.shape[1]
         group = q.shape[1] // k.shape[1]
-        rows = q.flatten(0, 1).index_select(0, aware_heads)[None]
-        aware = query_aware_blocks(rows, key_means[b_idx, h_idx // group][None], gamma=gamma,
-                                   block_size=block_size, scale=scale, lowest=lowest, highest=highest)[0]
+        aware = query_aware_blocks(_token_means(q, block_size, aware_heads), key_means[b_idx, h_idx // group][None],
+                                   gamma=gamma, scale=scale, lowest=lowest, highest=highest)[0]
         if union_vs_for_query_aware:
             aware = aware | vertical_slash[b_idx, h_idx]
         mask[b_idx, h_idx] = (aware | forced) & causal

@@ -8,8 +8,9 @@ import torch
 
 from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
 from kernels.bench_flexprefill import structured_prefill
-from kernels.block_sparse import block_sparse_attention, column_table, flexprefill_attention
-from kernels.flexprefill_estimate import _cumsum, _diagonals, _largest, estimate_block_mask, representative_lines
+from kernels.block_sparse import KernelConfig, block_sparse_attention, column_table, flexprefill_attention
+from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _cumsum, _diagonals, _largest, estimate_block_mask,
+                                         representative_lines)
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float16, device="cpu", seed=0):
@@ -38,12 +39,25 @@ def test_column_table_lists_kept_blocks_ascending():
     assert cols.dtype == torch.int32 and counts.dtype == torch.int32
 
 
-@pytest.mark.parametrize("hq,hkv,n,d,bs", [(4, 2, 200, 64, 32), (3, 1, 64, 128, 16)])
-def test_kernel_matches_reference_fp16(hq, hkv, n, d, bs):
+@pytest.mark.parametrize("chunk", [16, None])
+def test_column_table_matches_a_torch_scan_on_random_masks(chunk):
+    mask = _random_mask(2, 3, 40, 0.3, seed=2)
+    cols, counts = column_table(mask, chunk=chunk)
+    causal = mask & torch.ones(40, 40, dtype=torch.bool).tril()
+    assert torch.equal(counts, causal.sum(-1, dtype=torch.int32))
+    for b, h, row in torch.cartesian_prod(torch.arange(2), torch.arange(3), torch.arange(40)).tolist():
+        expected = causal[b, h, row].nonzero().flatten().tolist()
+        assert cols[b, h, row, :len(expected)].tolist() == expected
+
+
+@pytest.mark.parametrize("hq,hkv,n,d,bs,config", [
+    (4, 2, 200, 64, 32, None), (3, 1, 64, 128, 16, None),
+    (4, 2, 200, 64, 64, KernelConfig(32, 16, 4, 1, heads_first=True))])
+def test_kernel_matches_reference_fp16(hq, hkv, n, d, bs, config):
     q, k, v = _inputs(2, hq, hkv, n, d)
     nb = -(-n // bs)
     mask = _random_mask(2, hq, nb, 0.4)
-    out, lse = block_sparse_attention(q, k, v, mask, block_size=bs, return_lse=True)
+    out, lse = block_sparse_attention(q, k, v, mask, block_size=bs, return_lse=True, config=config)
     ref, ref_lse = sparse_attention(q, k, v, mask, bs, return_lse=True, compute_dtype=torch.float64)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
@@ -72,13 +86,25 @@ def test_all_tiles_equal_dense_causal_attention():
     assert (out.float() - dense).abs().max() < 2e-3
 
 
-def test_estimation_lines_match_reference():
-    q, k, _ = _inputs(2, 4, 2, 150, 64, seed=1)
-    lines = representative_lines(q, k, block_size=32, sm_scale=0.125)
-    stats = representative_attention(q, k, block_size=32, sm_scale=0.125)
+@pytest.mark.parametrize("n,bs,keys_per_program", [(150, 32, None), (300, 128, 128), (100, 128, None), (77, 16, 32)])
+def test_estimation_lines_match_reference(n, bs, keys_per_program):
+    q, k, _ = _inputs(2, 4, 2, n, 64, seed=1)
+    lines = representative_lines(q, k, block_size=bs, sm_scale=0.125, keys_per_program=keys_per_program)
+    stats = representative_attention(q, k, block_size=bs, sm_scale=0.125)
     assert torch.allclose(lines[:, :, 0], stats.vertical, atol=1e-6)
     assert torch.allclose(lines[:, :, 1], stats.slash, atol=1e-6)
     assert torch.allclose(lines.sum(-1), torch.ones(2, 4, 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("block_n,split", [(128, 1), (32, 2), (64, 1)])
+def test_estimation_lines_match_reference_in_every_tiling(monkeypatch, block_n, split):
+    monkeypatch.setitem(LINE_SUMS_CONFIG, "block_n", block_n)
+    monkeypatch.setitem(LINE_SUMS_CONFIG, "split", split)
+    q, k, _ = _inputs(1, 2, 1, 300, 64, seed=3)
+    lines = representative_lines(q, k, block_size=128, sm_scale=0.125, keys_per_program=256)
+    stats = representative_attention(q, k, block_size=128, sm_scale=0.125)
+    assert torch.allclose(lines[:, :, 0], stats.vertical, atol=1e-6)
+    assert torch.allclose(lines[:, :, 1], stats.slash, atol=1e-6)
 
 
 def test_selection_helpers_match_their_plain_definitions():
