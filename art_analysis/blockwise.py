@@ -14,10 +14,11 @@ Two modes:
 
 * ``"exact"`` (float64): per-block log-sum-exps ``L_j`` and block mean values
   ``Obar_j = sum_{i in j} exp(s_i - L_j) v_i`` are computed for all blocks at once (in
-  chunks of the sequence to bound memory), then ``O^(t) = sum_{u<=t} w_u Obar_u /
-  sum_{u<=t} w_u`` with ``w_u = exp(L_u - L_total)``.  No Python loop over blocks.  (This
-  needs every visited prefix to hold more than ``e^-700`` of the walk's softmax mass, far
-  beyond any real logit range.)
+  chunks of the sequence to bound memory), then ``O^(t) = sum_{u<=t} exp(L_u) Obar_u /
+  sum_{u<=t} exp(L_u)``, with both sums as log-cumulative-sum-exps (the positive and
+  negative parts of ``Obar`` separately), so a prefix holding a vanishing share of the mass
+  (a newest-first walk that reaches a dominant sink last) keeps its exact output.  No Python
+  loop over blocks.
 * ``"kernel"`` (float32): the online recurrence exactly as a FlashAttention-2 decode
   kernel runs it, one step at a time::
 
@@ -227,8 +228,11 @@ def _exact(q, k, v, block_ids, seqlens, block_size, sm_scale):
     mean_t = torch.gather(block_mean, 3, index[..., None].expand(-1, -1, -1, -1, dim))
     total = torch.logsumexp(lse_t, dim=-1, keepdim=True)
     share = torch.exp(lse_t - total)
-    visited = torch.cumsum(share, dim=-1)
-    partial = torch.cumsum(share[..., None] * mean_t, dim=3) / visited[..., None]
+    # O^(t) = sum_{u<=t} e^{L_u} Obar_u / sum_{u<=t} e^{L_u}, every sum in the log domain.
+    prefix = torch.logcumsumexp(lse_t, dim=-1)[..., None]
+    positive = torch.logcumsumexp(lse_t[..., None] + torch.log(mean_t.clamp(min=0)), dim=3)
+    negative = torch.logcumsumexp(lse_t[..., None] + torch.log((-mean_t).clamp(min=0)), dim=3)
+    partial = torch.exp(positive - prefix) - torch.exp(negative - prefix)
     running_max = torch.cummax(max_t, dim=-1).values
     running_sum = torch.exp(torch.logcumsumexp(lse_t, dim=-1) - running_max)
     contribution = share * torch.linalg.vector_norm(mean_t, dim=-1)

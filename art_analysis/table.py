@@ -3,13 +3,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import pandas as pd
 
-def format_table(rows: Sequence[dict], columns: Sequence[str], formats: dict | None = None) -> str:
-    """Render ``rows`` (dicts) as an aligned text table of ``columns``.
+
+def format_table(rows: Sequence[dict] | pd.DataFrame, columns: Sequence[str], formats: dict | None = None) -> str:
+    """Render ``rows`` (dicts, or a DataFrame's rows) as an aligned text table of ``columns``.
 
     ``formats`` maps a column to a format spec such as ``".3f"``; other values use ``str``.
     """
     formats = formats or {}
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict("records")
 
     def cell(row: dict, column: str) -> str:
         value = row.get(column, "")

@@ -3,13 +3,12 @@ import json
 import pytest
 import torch
 
-from art_analysis.analysis.convergence import error_curve, mean_error_at
+from art_analysis.analysis.convergence import error_curve
 from art_analysis.analysis.misalignment import misaligned_fraction, token_scores
-from art_analysis.analysis.sensitivity import pick_default, threshold_grid
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
 from art_analysis.synthetic import synthetic_cache
-from art_analysis.termination import ARTConfig, stop
+from art_analysis.termination import ARTConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +23,6 @@ def test_error_curve_matches_its_definition(trace):
     final = trace.final_out[0, 1]
     assert torch.isclose(error[0, 1, 3], (trace.partial_out[0, 1, 3] - final).norm() / final.norm())
     assert torch.all(error[..., -1] == 0)
-
-
-def test_mean_error_at_picks_the_last_step_within_each_fraction(trace):
-    _, error = error_curve(trace)
-    at = mean_error_at([trace], torch.tensor([0.05, 0.1, 0.35, 1.0]))
-    assert at[0] == 1.0                                     # nothing loaded yet
-    assert torch.isclose(at[1], error[..., 0].mean())
-    assert torch.isclose(at[2], error[..., 2].mean())       # 0.3 <= 0.35 < 0.4
-    assert at[3] == 0
 
 
 def test_misaligned_fraction_against_brute_force():
@@ -57,17 +47,6 @@ def test_token_scores_are_weights_and_weighted_value_norms():
     assert torch.allclose(contribution[1], torch.maximum(weights * norms, weights3 * norms))
 
 
-def test_threshold_grid_rows_equal_single_evaluations(trace):
-    rows = threshold_grid([trace], [1e-3, 1e-5], [1e-4], [2, 4])
-    assert [(r["tau"], r["patience"]) for r in rows] == [(1e-3, 2), (1e-3, 4), (1e-5, 2), (1e-5, 4)]
-    single = stop(trace, ARTConfig(tau=1e-5, phi=1e-4, patience=4))
-    assert rows[3]["loaded_fraction"] == pytest.approx(float(single.loaded_fraction.mean()))
-    best = pick_default(rows, max_p99_error=1.0)
-    assert best["loaded_fraction"] == min(r["loaded_fraction"] for r in rows)
-    with pytest.raises(ValueError, match="no setting"):
-        pick_default(rows, max_p99_error=-1.0)
-
-
 def test_simulate_command_prints_the_rule_table(capsys, tmp_path):
     out = tmp_path / "table.json"
     assert main(["simulate", "--seqlen", "512", "--heads", "4/2", "--head-dim", "16", "--json", str(out)]) == 0
@@ -81,19 +60,6 @@ def test_simulate_command_prints_the_rule_table(capsys, tmp_path):
 def test_simulate_command_reports_bad_input(capsys):
     assert main(["simulate", "--heads", "4/3", "--seqlen", "64"]) == 2
     assert "num_q_heads % num_kv_heads" in capsys.readouterr().err
-
-
-def test_reproduce_quick_writes_report_and_figures(tmp_path, capsys):
-    assert main(["reproduce", "--quick", "--synthetic-only", "--out", str(tmp_path)]) == 0
-    report = (tmp_path / "REPORT.md").read_text()
-    assert "## Threshold sensitivity" in report and "synthetic-realistic" in report
-    results = json.loads((tmp_path / "reproduce.json").read_text())
-    assert set(results["convergence"]) == {"sequential", "recency", "sink_recency"}
-    assert "## FlexPrefill" in report and results["flexprefill"][0]["input"] == "synthetic"
-    for name in ("convergence.png", "sensitivity.png", "misalignment.png", "flexprefill_patterns.png",
-                 "flexprefill_kept_vs_gamma.png", "flexprefill_error_vs_gamma.png"):
-        assert (tmp_path / name).stat().st_size > 10_000
-    assert not list(tmp_path.glob(".*tmp*"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")

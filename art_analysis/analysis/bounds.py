@@ -19,12 +19,21 @@ min/max alone.  :func:`truncation_report` evaluates every term from the raw cach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
+import pandas as pd
 import torch
 
 from ..blockwise import BlockTrace
 from ..checks import check_cache_seqlens, valid_token_mask
 from ..policies.quest import block_score_bounds
+from ..termination import Rule, stop
+from .inputs import decode_inputs
+
+# A bound "holds" when error <= bound * (1 + BOUND_RTOL) + BOUND_ATOL: float64 rounding only.
+BOUND_RTOL = 1e-9
+BOUND_ATOL = 1e-12
+BOUNDS = ("bound_mean", "bound_max_value", "bound_certified")
 
 
 @dataclass
@@ -125,3 +134,53 @@ def _block_set(ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.
     marks = torch.zeros(*ids.shape[:2], num_blocks + 1, dtype=torch.bool, device=ids.device)
     marks.scatter_(-1, torch.where(keep, ids, num_blocks), True)
     return marks[..., :num_blocks]
+
+
+def bound_table(source, rules: Mapping[str, Rule], *, block_size: int = 64, step: int = -1) -> pd.DataFrame:
+    """The truncation error against its bounds at the stops of every rule, one row per query head.
+
+    Args:
+        source: a capture, a synthetic cache or decode inputs (:func:`~.inputs.decode_inputs`).
+        rules: name -> stopping rule.
+
+    Returns:
+        Rows ``(layer, rule, b, head)`` with ``rho, error, identity_residual`` and, for every bound of
+        :class:`TruncationReport` (``bound_mean``, ``bound_max_value``, ``bound_certified``), its value
+        and ``<bound>_holds`` (``error <= bound`` up to float64 rounding).
+    """
+    if not rules:
+        raise ValueError("bound_table needs at least one rule")
+    frames = []
+    for call in decode_inputs(source, step):
+        trace = call.trace(block_size=block_size)
+        for name, rule in rules.items():
+            report = truncation_report(trace, call.q, call.k, call.v, stop(trace, rule).stop_step, call.cache_seqlens)
+            batch, heads = report.error.shape
+            columns = dict(layer=call.layer, rule=name, b=torch.arange(batch).repeat_interleave(heads).numpy(),
+                           head=torch.arange(heads).repeat(batch).numpy())
+            for field in ("rho", "error", "identity_residual", *BOUNDS):
+                columns[field] = getattr(report, field).flatten().cpu().numpy()
+            for bound in BOUNDS:
+                columns[f"{bound}_holds"] = columns["error"] <= columns[bound] * (1 + BOUND_RTOL) + BOUND_ATOL
+            frames.append(pd.DataFrame(columns))
+    return pd.concat(frames, ignore_index=True)
+
+
+def bound_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per rule, over the heads of :func:`bound_table`: ``heads``, ``truncated`` (``rho > 0``), mean error,
+    the share of heads where each bound holds (must be 1: a failure is a bug), the median tightness
+    ``bound / error`` over truncated heads, the worst identity residual, and the share of truncated
+    heads whose certified bound is at most 0.05."""
+    rows = []
+    for rule, group in table.groupby("rule", sort=False):
+        truncated = group[group["rho"] > 0]
+        row = dict(rule=rule, heads=len(group), truncated=len(truncated), error_mean=group["error"].mean(),
+                   identity_residual_max=group["identity_residual"].max())
+        for bound in BOUNDS:
+            row[f"{bound}_holds"] = group[f"{bound}_holds"].mean()
+            row[f"{bound}_tightness_median"] = ((truncated[bound] / truncated["error"].clip(lower=1e-300)).median()
+                                                if len(truncated) else float("nan"))
+        row["certified_le_0_05"] = ((truncated["bound_certified"] <= 0.05).mean() if len(truncated)
+                                    else float("nan"))
+        rows.append(row)
+    return pd.DataFrame(rows)

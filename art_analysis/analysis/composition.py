@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -21,26 +22,30 @@ from ..blockwise import blockwise_attention
 from ..policies import parse_spec
 from ..policies.compose import simulate_policy
 from ..termination import ARTConfig, stop
+from .inputs import decode_inputs
 
 DEFAULT_POLICIES = ("dense", "streaming:budget=0.2", "snapkv:budget=0.2", "pyramidkv:budget=0.2",
                     "h2o:budget=0.2", "quest:budget=0.2", "streaming:budget=0.8", "snapkv:budget=0.8")
 
 
-def compose_with_art(inputs: Sequence[tuple], policy_specs: Sequence[str] = DEFAULT_POLICIES,
-                     art: ARTConfig | None = None, block_size: int = 64, order: str = "sink_recency") -> list[dict]:
-    """One row per policy spec.
+def compose_with_art(source, policy_specs: Sequence[str] = DEFAULT_POLICIES, art: ARTConfig | None = None,
+                     block_size: int = 64, order: str = "sink_recency", step: int = -1) -> pd.DataFrame:
+    """One row per policy spec (columns: :data:`COMPOSITION_COLUMNS`).
 
     Args:
-        inputs: tuples ``(q [B,Hq,D], k [B,Hkv,S,D], v, cache_seqlens [B], queries [B,Hq,Nq,D] | None,
-            layer | None, num_layers | None)``.
+        source: a capture, a synthetic cache or decode inputs (:func:`~.inputs.decode_inputs`); the
+            inputs' recent ``queries`` feed query-aware policies.
         policy_specs: strings for :func:`art_analysis.policies.parse_spec`.
         art: the stopping rule (default ``ARTConfig()``).
     """
+    if not policy_specs:
+        raise ValueError("compose_with_art needs at least one policy spec")
     art = art or ARTConfig()
     policies = [(spec, parse_spec(spec)) for spec in policy_specs]
     pooled = {spec: {key: [] for key in ("kept", "art", "loaded", "policy", "added", "total")}
               for spec, _ in policies}
-    for q, k, v, seqlens, queries, layer, num_layers in tqdm(inputs, desc="policies x ART", leave=False):
+    for q, k, v, seqlens, queries, layer, num_layers in tqdm(decode_inputs(source, step), desc="policies x ART",
+                                                            leave=False):
         dense = blockwise_attention(q, k, v, block_size=block_size, order=order, cache_seqlens=seqlens).final_out
         dense_norm = torch.linalg.vector_norm(dense, dim=-1)
         valid_tokens = seqlens.double()[:, None]
@@ -67,7 +72,7 @@ def compose_with_art(inputs: Sequence[tuple], policy_specs: Sequence[str] = DEFA
                          art_added_error=float(values["added"].mean()),
                          total_error=float(values["total"].mean()),
                          total_error_p99=float(torch.quantile(values["total"], 0.99))))
-    return rows
+    return pd.DataFrame(rows)
 
 
 COMPOSITION_COLUMNS = ("policy", "kept_fraction", "art_loaded_of_kept", "loaded_fraction", "policy_error",

@@ -1,11 +1,26 @@
-"""How fast the partial output converges along the walk (the paper's Figure 4)."""
+"""How fast the partial output converges along the walk (the paper's Figure 4).
+
+Two views, both on any source (:mod:`art_analysis.analysis.inputs`):
+
+* :func:`convergence_curves`: the relative L2 error of ``O^(t)`` against the fraction of the
+  cache loaded, for each traversal order, as the median and interquartile range over the query
+  heads of each layer;
+* :func:`recent_window_curves`: the paper's retention curve, at token granularity: the
+  relative error of attention over only the newest ``n`` tokens (optionally plus the first
+  ``sink_tokens``), against ``n`` over the sequence length, exact in float64.
+"""
 from __future__ import annotations
 
 from typing import Sequence
 
+import pandas as pd
 import torch
 
 from ..blockwise import BlockTrace
+from ..orders import ORDERS
+from .inputs import decode_inputs
+
+DEFAULT_FRACTIONS = torch.linspace(0, 1, 101, dtype=torch.float64)
 
 
 def error_curve(trace: BlockTrace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,24 +37,107 @@ def error_curve(trace: BlockTrace) -> tuple[torch.Tensor, torch.Tensor]:
     return loaded, error.double()
 
 
-def mean_error_at(traces: Sequence[BlockTrace], fractions: torch.Tensor) -> torch.Tensor:
-    """Mean (over every head of every trace) relative error once ``fractions`` of the walk is loaded.
+def error_at(trace: BlockTrace, fractions: torch.Tensor) -> torch.Tensor:
+    """Relative error of every head once ``fractions`` of its walk is loaded: ``[B * Hq, F]`` float64.
 
-    For each head, the error at fraction ``f`` is that of the last step whose loaded fraction
-    is ``<= f`` (error 1 before the first block).  Returns ``[len(fractions)]`` float64.
+    The error at fraction ``f`` is that of the last step whose loaded fraction is ``<= f``
+    (error 1, nothing loaded, before the first block).
     """
-    if not traces:
-        raise ValueError("mean_error_at needs at least one trace")
-    fractions = torch.as_tensor(fractions, dtype=torch.float64, device=traces[0].partial_out.device)
-    totals = torch.zeros_like(fractions)
-    count = 0
-    for trace in traces:
-        loaded, error = error_curve(trace)
-        loaded, error = loaded.flatten(0, 1), error.flatten(0, 1)                # [N, T]
-        position = torch.searchsorted(loaded.contiguous(), fractions.expand(loaded.shape[0], -1).contiguous(),
-                                      right=True) - 1
-        padded = torch.cat([error, torch.ones(error.shape[0], 1, dtype=error.dtype, device=error.device)], dim=-1)
-        at = torch.gather(padded, 1, torch.where(position >= 0, position, error.shape[1]))
-        totals += at.sum(0)
-        count += at.shape[0]
-    return totals / max(count, 1)
+    loaded, error = error_curve(trace)
+    loaded, error = loaded.flatten(0, 1), error.flatten(0, 1)                    # [N, T]
+    fractions = torch.as_tensor(fractions, dtype=torch.float64, device=loaded.device)
+    position = torch.searchsorted(loaded.contiguous(), fractions.expand(loaded.shape[0], -1).contiguous(),
+                                  right=True) - 1
+    padded = torch.cat([error, torch.ones(error.shape[0], 1, dtype=error.dtype, device=error.device)], dim=-1)
+    return torch.gather(padded, 1, torch.where(position >= 0, position, error.shape[1]))
+
+
+def _quantile_rows(values: torch.Tensor, fractions: torch.Tensor, **keys) -> list[dict]:
+    """Median, quartiles and mean over dim 0 of ``values [N, F]``, one row per fraction."""
+    quantiles = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=values.dtype), dim=0)
+    mean = values.mean(0)
+    return [dict(**keys, loaded_fraction=float(f), error_q25=float(quantiles[0, i]),
+                 error_median=float(quantiles[1, i]), error_q75=float(quantiles[2, i]), error_mean=float(mean[i]),
+                 heads=values.shape[0])
+            for i, f in enumerate(fractions.tolist())]
+
+
+def convergence_curves(source, *, orders: Sequence[str] = ORDERS, fractions: torch.Tensor | None = None,
+                       block_size: int = 64, step: int = -1) -> pd.DataFrame:
+    """Relative error of ``O^(t)`` against the loaded fraction, per layer and traversal order.
+
+    Args:
+        source: a capture, a synthetic cache or decode inputs (:func:`~.inputs.decode_inputs`).
+        orders: traversal orders; ``"importance"`` walks by Quest's key bound
+            (:meth:`~.inputs.DecodeInput.trace`).
+        fractions: ``[F]`` loaded fractions to report (default 0, 0.01, ..., 1).
+
+    Returns:
+        One row per ``(layer, order, loaded_fraction)``: ``error_q25, error_median, error_q75,
+        error_mean`` over the ``heads`` (every query head of every sequence).
+    """
+    fractions = DEFAULT_FRACTIONS if fractions is None else torch.as_tensor(fractions, dtype=torch.float64)
+    unknown = [o for o in orders if o not in ORDERS]
+    if unknown or not orders:
+        raise ValueError(f"orders must be a non-empty subset of {ORDERS}, got {list(orders)}")
+    rows = []
+    for call in decode_inputs(source, step):
+        for order in orders:
+            values = error_at(call.trace(order=order, block_size=block_size), fractions).cpu()
+            rows += _quantile_rows(values, fractions, layer=call.layer, order=order)
+    return pd.DataFrame(rows)
+
+
+def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_tokens: Sequence[int] = (0, 4),
+                         step: int = -1) -> pd.DataFrame:
+    """Relative error of attention over a recent window only, against the window's share of the tokens.
+
+    For window fraction ``f`` the output attends to the newest ``ceil(f * seqlen)`` valid tokens
+    and, when ``sink_tokens = s > 0``, also to the first ``s`` tokens (StreamingLLM's sink); the
+    error is ``||O_window - O_full|| / ||O_full||`` in float64.
+
+    Returns:
+        One row per ``(layer, window, loaded_fraction)`` with ``window`` = ``"recent"`` or
+        ``"sink{s}+recent"``, the error quantiles over heads and ``heads``; ``loaded_fraction`` is
+        the window's share of the tokens (sink included).
+    """
+    fractions = DEFAULT_FRACTIONS if fractions is None else torch.as_tensor(fractions, dtype=torch.float64)
+    rows = []
+    for call in decode_inputs(source, step):
+        batch, kv_heads, _, dim = call.k.shape
+        group = call.q.shape[1] // kv_heads
+        per_sequence = {s: [] for s in sink_tokens}
+        loaded = {s: [] for s in sink_tokens}
+        for b in range(batch):
+            seqlen = int(call.cache_seqlens[b])
+            k = call.k[b, :, :seqlen].double().repeat_interleave(group, 0)
+            v = call.v[b, :, :seqlen].double().repeat_interleave(group, 0)
+            logits = torch.einsum("hd,hsd->hs", call.q[b].double(), k) * dim ** -0.5
+            weights = torch.exp(logits - logits.amax(-1, keepdim=True))                   # [Hq, S]
+            full = torch.einsum("hs,hsd->hd", weights, v) / weights.sum(-1, keepdim=True)
+            # Newest-first cumulative sums: index n - 1 holds the newest n tokens.
+            mass = torch.cumsum(weights.flip(-1), -1)
+            weighted = torch.cumsum((weights[..., None] * v).flip(1), 1)
+            window = torch.clamp(torch.ceil(fractions * seqlen).long(), 0, seqlen)
+            for sink in sink_tokens:
+                sink = min(int(sink), seqlen)
+                # The window never re-counts sink tokens: at most seqlen - sink newest tokens.
+                newest = torch.clamp(window, max=seqlen - sink)
+                index = (newest - 1).clamp(min=0)
+                win_mass = torch.where(newest > 0, mass[:, index], 0.0) + weights[:, :sink].sum(-1, keepdim=True)
+                win_value = (torch.where((newest > 0)[None, :, None], weighted[:, index], 0.0)
+                             + (weights[:, :sink, None] * v[:, :sink]).sum(1, keepdim=True))
+                output = win_value / win_mass.clamp(min=1e-300)[..., None]
+                error = torch.linalg.vector_norm(output - full[:, None], dim=-1) / \
+                    torch.linalg.vector_norm(full, dim=-1, keepdim=True).clamp(min=1e-30)
+                error = torch.where(win_mass > 0, error, torch.ones_like(error))              # nothing loaded
+                per_sequence[sink].append(error.cpu())
+                loaded[sink].append(((newest + sink).double() / seqlen).cpu())
+        for sink in sink_tokens:
+            values = torch.cat(per_sequence[sink])
+            label = "recent" if sink == 0 else f"sink{sink}+recent"
+            share = torch.stack(loaded[sink]).mean(0)
+            for row, f in zip(_quantile_rows(values, fractions, layer=call.layer, window=label), share.tolist()):
+                row["loaded_fraction"] = f
+                rows.append(row)
+    return pd.DataFrame(rows)

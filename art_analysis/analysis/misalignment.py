@@ -3,10 +3,20 @@
 For decode query head ``h`` the weight of token ``j`` is ``a_{h,j}`` and its contribution is
 ``||a_{h,j} v_j||``.  As in the paper, the per-token *score* is the maximum weight over the
 query heads of a KV head; the contribution is taken the same way (max over those heads).
+
+A token is *misaligned* when it is in the top ``top`` share of tokens by contribution but
+the attention-score ranking places it outside its own top ``top`` share: a key-centric policy
+keeping that share by score would drop it.  ``recall@k`` is the share of the top-``k`` tokens by
+contribution that the top-``k`` by score contains (1 for perfectly aligned rankings).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import pandas as pd
 import torch
+
+from .inputs import decode_inputs
 
 
 def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
@@ -36,14 +46,85 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
     return weights.amax(1), contribution.amax(1)
 
 
+def _check_share(value: float, name: str) -> float:
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _top_mask(values: torch.Tensor, share: float) -> torch.Tensor:
+    """``BoolTensor`` like ``values [H, S]`` marking each row's top ``round(share * S)`` (at least 1)."""
+    count = max(1, int(round(share * values.shape[-1])))
+    return torch.zeros_like(values, dtype=torch.bool).scatter_(-1, values.topk(count, -1).indices, True)
+
+
 def misaligned_fraction(score: torch.Tensor, contribution: torch.Tensor, top: float = 0.2) -> torch.Tensor:
     """Share of the top-``top`` tokens by contribution that are *not* in the top-``top`` by score.
 
     Args: ``score, contribution: [H, S]``.  Returns ``[H]``.
     """
-    if not 0 < top <= 1:
-        raise ValueError(f"top must lie in (0, 1], got {top}")
-    count = max(1, int(round(top * score.shape[-1])))
-    by_contribution = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, contribution.topk(count, -1).indices, True)
-    by_score = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, score.topk(count, -1).indices, True)
-    return (by_contribution & ~by_score).sum(-1).double() / count
+    top = _check_share(top, "top")
+    by_contribution = _top_mask(contribution, top)
+    return (by_contribution & ~_top_mask(score, top)).sum(-1).double() / by_contribution.sum(-1)
+
+
+def misalignment_rates(source, *, top: float = 0.2, ks: Sequence[float] = (0.01, 0.05, 0.1, 0.2),
+                       step: int = -1) -> pd.DataFrame:
+    """Per-layer, per-head misalignment.
+
+    Returns:
+        One row per ``(layer, b, kv_head)``: ``tokens``, ``misaligned_rate`` (share of the top-``top``
+        tokens by contribution that the score ranking places outside its top ``top``), and
+        ``recall@k`` for every ``k`` in ``ks`` (share of the top-``k`` tokens by contribution found in
+        the top-``k`` by score).
+    """
+    top = _check_share(top, "top")
+    ks = [_check_share(k, "every k") for k in ks]
+    rows = []
+    for call in decode_inputs(source, step):
+        for b in range(call.q.shape[0]):
+            seqlen = int(call.cache_seqlens[b])
+            score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen)
+            rate = misaligned_fraction(score, contribution, top)
+            recall = {f"recall@{k:g}": (_top_mask(contribution, k) & _top_mask(score, k)).sum(-1).double()
+                      / _top_mask(contribution, k).sum(-1) for k in ks}
+            for head in range(score.shape[0]):
+                rows.append(dict(layer=call.layer, b=b, kv_head=head, tokens=seqlen,
+                                 misaligned_rate=float(rate[head]),
+                                 **{name: float(values[head]) for name, values in recall.items()}))
+    return pd.DataFrame(rows)
+
+
+def misaligned_tokens(source, *, layer: int | None = None, top: float = 0.2, step: int = -1) -> pd.DataFrame:
+    """Every token of one layer with its score, contribution and misalignment flag (Figure 1's scatter).
+
+    Args:
+        layer: the model layer (default: the middle captured layer).
+
+    Returns:
+        One row per ``(b, kv_head, token)``: ``layer, score, contribution, score_rank`` (0 = highest
+        score, as a share of the tokens), ``top_contribution`` and ``misaligned`` (bools).
+    """
+    top = _check_share(top, "top")
+    calls = decode_inputs(source, step)
+    layers = [call.layer for call in calls]
+    if layer is None:
+        layer = layers[len(layers) // 2]
+    if layer not in layers:
+        raise ValueError(f"layer {layer} is not in the source; it holds layers {layers}")
+    call = calls[layers.index(layer)]
+    frames = []
+    for b in range(call.q.shape[0]):
+        seqlen = int(call.cache_seqlens[b])
+        score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen)
+        by_contribution = _top_mask(contribution, top)
+        misaligned = by_contribution & ~_top_mask(score, top)
+        rank = torch.empty_like(score).scatter_(-1, score.argsort(-1, descending=True),
+                                                torch.arange(seqlen, dtype=score.dtype).expand_as(score)) / seqlen
+        heads, tokens = score.shape
+        frames.append(pd.DataFrame(dict(
+            layer=layer, b=b, kv_head=torch.arange(heads).repeat_interleave(tokens).numpy(),
+            token=torch.arange(tokens).repeat(heads).numpy(), score=score.flatten().numpy(),
+            contribution=contribution.flatten().numpy(), score_rank=rank.flatten().numpy(),
+            top_contribution=by_contribution.flatten().numpy(), misaligned=misaligned.flatten().numpy())))
+    return pd.concat(frames, ignore_index=True)

@@ -1,32 +1,81 @@
-"""Threshold sensitivity of ART: loaded fraction and error over a grid of (tau, phi, patience)."""
+"""Threshold sensitivity of ART and its trade-off against the baseline stopping rules.
+
+* :func:`threshold_grid`: loaded fraction, error and false-stop rate over a ``(tau, phi, patience)``
+  grid (the heatmaps and the patience curves);
+* :func:`baseline_sweep`: the same columns for ``Oracle(eps)``, ``MassCoverage(gamma)`` and
+  ``FixedBudget(steps)`` over their parameter;
+* :func:`pareto_front`: the settings of each family that no other setting of the family beats on
+  both loaded fraction and error;
+* :func:`pick_default`: the rule that chose ``ARTConfig()``.
+
+All take traces (``analysis.inputs.traces(source)``) so that one walk serves every rule.
+"""
 from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
 from typing import Sequence
 
+import pandas as pd
+
 from ..blockwise import BlockTrace
 from ..rules_summary import summarize
-from ..termination import ARTConfig
+from ..termination import ARTConfig, FixedBudget, MassCoverage, Oracle
+
+DEFAULT_ORACLE_EPS = 0.01
 
 
 def threshold_grid(traces: Sequence[BlockTrace], taus: Sequence[float], phis: Sequence[float],
-                   patiences: Sequence[int], base: ARTConfig | None = None) -> list[dict]:
+                   patiences: Sequence[int], base: ARTConfig | None = None,
+                   oracle_eps: float = DEFAULT_ORACLE_EPS) -> pd.DataFrame:
     """Evaluate ``base`` with every ``(tau, phi, patience)`` over ``traces``.
 
     Returns one row per setting: ``tau, phi, patience`` plus the columns of
-    :func:`art_analysis.rules_summary.summarize`.
+    :func:`art_analysis.rules_summary.summarize` (``false_stop_rate`` against ``Oracle(oracle_eps)``).
     """
     base = base or ARTConfig()
     grid = list(product(taus, phis, patiences))
+    if not grid:
+        raise ValueError("taus, phis and patiences must each hold at least one value")
     rules = [replace(base, tau=t, phi=f, patience=p) for t, f, p in grid]
-    rows = summarize(traces, rules)
-    return [dict(tau=t, phi=f, patience=p, **row) for (t, f, p), row in zip(grid, rows)]
+    rows = summarize(traces, rules, oracle_eps=oracle_eps)
+    return pd.DataFrame([dict(tau=t, phi=f, patience=p, **row) for (t, f, p), row in zip(grid, rows)])
 
 
-def pick_default(rows: Sequence[dict], max_p99_error: float) -> dict:
+def baseline_sweep(traces: Sequence[BlockTrace], *, eps: Sequence[float] = (0.1, 0.03, 0.01, 0.003, 0.001),
+                   gammas: Sequence[float] = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999),
+                   steps: Sequence[int] = (2, 4, 8, 16, 32, 64),
+                   oracle_eps: float = DEFAULT_ORACLE_EPS) -> pd.DataFrame:
+    """``Oracle``, ``MassCoverage`` and ``FixedBudget`` over their parameter.
+
+    Returns one row per rule: ``family, parameter`` plus the summary columns.
+    """
+    rules = ([("Oracle", e, Oracle(e)) for e in eps] + [("MassCoverage", g, MassCoverage(g)) for g in gammas]
+             + [("FixedBudget", s, FixedBudget(s)) for s in steps])
+    rows = summarize(traces, [rule for *_, rule in rules], oracle_eps=oracle_eps)
+    return pd.DataFrame([dict(family=family, parameter=value, **row) for (family, value, _), row in zip(rules, rows)])
+
+
+def pareto_front(rows: pd.DataFrame, *, cost: str = "loaded_fraction", error: str = "rel_error_p99",
+                 by: str | None = "family") -> pd.DataFrame:
+    """The rows no other row (of the same ``by`` group) beats on both ``cost`` and ``error``,
+    sorted by ``cost``."""
+    groups = [rows] if by is None else [group for _, group in rows.groupby(by, sort=False)]
+    kept = []
+    for group in groups:
+        ordered = group.sort_values([cost, error])
+        best = float("inf")
+        for index, row in ordered.iterrows():
+            if row[error] < best:
+                kept.append(index)
+                best = row[error]
+    return rows.loc[kept].sort_values([by, cost] if by else [cost])
+
+
+def pick_default(rows: pd.DataFrame, max_p99_error: float) -> dict:
     """The setting with the smallest loaded fraction whose 99th-percentile error is within bound."""
-    feasible = [r for r in rows if r["rel_error_p99"] <= max_p99_error]
-    if not feasible:
+    feasible = rows[rows["rel_error_p99"] <= max_p99_error]
+    if feasible.empty:
         raise ValueError(f"no setting keeps the 99th-percentile relative error under {max_p99_error}")
-    return min(feasible, key=lambda r: (r["loaded_fraction"], r["rel_error_p99"]))
+    best = feasible.sort_values(["loaded_fraction", "rel_error_p99"]).iloc[0]
+    return {key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()}

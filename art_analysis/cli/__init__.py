@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("simulate", "reproduce", "capture", "bench", "flexprefill", "evaluate")
+COMMANDS = ("simulate", "figures", "reproduce", "capture", "bench", "flexprefill", "evaluate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,7 +50,7 @@ def evaluation_rules(art: ARTConfig) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.end_to_end import GENERATION_COLUMNS, GENERATION_FORMATS, compare_generation
+    from ..analysis.retention import GENERATION_COLUMNS, GENERATION_FORMATS, compare_generation
     from ..corpus import niah_prompt, passkey_prompt
     from ..models import load_model
 
@@ -64,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
                               max_new_tokens=args.max_new_tokens, block_size=args.block_size, order=args.order)
     print(format_table(rows, GENERATION_COLUMNS, GENERATION_FORMATS))
     if args.json:
-        write_json_atomic(args.json, rows)
+        write_json_atomic(args.json, rows.to_dict("records"))
     return 0

@@ -11,12 +11,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def save_figure(fig, path: str | Path) -> Path:
-    """Write ``fig`` to ``path`` (format from the suffix) through a temporary file, then close it."""
+    """Write ``fig`` to ``path`` (format from the suffix), and a ``.pdf`` beside a ``.png``, each through
+    a temporary file; then close the figure.  Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    os.replace(tmp, path)
+    targets = [path] + ([path.with_suffix(".pdf")] if path.suffix == ".png" else [])
+    for target in targets:
+        tmp = target.with_name(f".{target.stem}.tmp{target.suffix}")
+        fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        os.replace(tmp, target)
     plt.close(fig)
     return path
 

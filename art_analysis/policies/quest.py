@@ -57,6 +57,17 @@ def block_score_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blo
     return bound.squeeze(3).flatten(1, 2)                                   # [B, Hkv, G, 1, nb] -> [B, Hq, nb]
 
 
+
+def group_block_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int,
+                       cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`block_score_bounds` reduced to the KV head (max over its query heads): ``[B, Hkv, nb]``.
+
+    The ``block_scores`` of the ``"importance"`` order: the block that could score highest for
+    any head of the group is walked first (one decode program serves the whole group).
+    """
+    bounds = block_score_bounds(q, k, v, block_size=block_size, cache_seqlens=cache_seqlens)
+    return bounds.view(bounds.shape[0], k.shape[1], -1, bounds.shape[-1]).amax(2)
+
 @dataclass(frozen=True)
 class QuestPolicy(SelectionPolicy):
     """Keep the current page and the pages with the highest score bound.

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from art_analysis.analysis.end_to_end import RuleAttention, compare_generation, greedy_continuation
+from art_analysis.analysis.retention import RuleAttention, compare_generation, decode_rows
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
-from art_analysis.corpus import passkey_prompt
+from art_analysis.corpus import niah_prompt, passkey_prompt
 from art_analysis.models import cache_argument
-from art_analysis.policies.quest import block_score_bounds
+from art_analysis.policies.quest import block_score_bounds, group_block_bounds
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, FixedBudget, stop
 
@@ -16,40 +16,82 @@ def prompt(loaded):
     return passkey_prompt(320, depth=0.5, seed=1, tokenizer=loaded.tokenizer)
 
 
-def test_full_walk_in_the_decode_loop_reproduces_plain_greedy_decoding(loaded, prompt):
+def prefilled(model, prompt):
     from transformers import DynamicCache
 
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, logits_to_keep=1,
+                    **{cache_argument(model): cache})
+    return cache, int(out.logits[0, -1].argmax())
+
+
+def test_full_walk_in_the_decode_loop_reproduces_plain_greedy_decoding(loaded, prompt):
     model = loaded.model
     ids = torch.tensor([prompt.input_ids])
     with torch.inference_mode():
         plain = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
-        cache = DynamicCache()
-        first = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache}).logits[0, -1]
-    hook = RuleAttention(None)
-    tokens = greedy_continuation(model, cache, first.argmax(), 5, hook)
-    assert tokens == plain
-    assert hook.loaded == [1.0] * (5 * model.config.num_hidden_layers)
+    cache, first = prefilled(model, prompt)
+    hook = RuleAttention([None])
+    tokens, logprobs = decode_rows(model, cache, [first], 5, hook)
+    assert tokens[0].tolist() == plain
+    assert logprobs.shape == (1, 5, model.config.vocab_size)
+    assert hook.loaded == [[1.0] * (5 * model.config.num_hidden_layers)]
     assert model.config._attn_implementation == "sdpa"   # restored after the override
 
 
 def test_rules_in_the_decode_loop(loaded, prompt):
     rules = {"never": ARTConfig(tau=0.0, phi=0.0), "one_block": FixedBudget(1)}
-    rows = {r["rule"].split(":")[0]: r for r in compare_generation(loaded.model, loaded.tokenizer, [prompt], rules,
-                                                                   max_new_tokens=4)}
+    table = compare_generation(loaded.model, loaded.tokenizer, [prompt], rules, max_new_tokens=4, progress=False)
+    rows = {r["rule"].split(":")[0]: r for r in table.to_dict("records")}
+    assert set(table["task"]) == {"passkey"}
     assert rows["dense"]["token_agreement"] == 1.0 and rows["dense"]["loaded_fraction"] == 1.0
+    assert rows["dense"]["kl_max"] == 0.0
     # A rule that never stops walks everything and decodes exactly like dense.
     assert rows["never"]["token_agreement"] == 1.0 and rows["never"]["loaded_fraction"] == 1.0
+    assert rows["never"]["kl_max"] < 1e-8
     # One block of five (320 prompt tokens plus the decoded ones, 64-token blocks) per call.
     assert 0.15 < rows["one_block"]["loaded_fraction"] < 0.25
     assert rows["one_block"]["first_divergence"] <= 4
+    assert rows["one_block"]["kl_mean"] > 1e-3
+
+
+def test_rows_decode_independently_and_teacher_forcing_feeds_the_given_tokens(loaded, prompt):
+    """Row r of a batch equals decoding rule r alone; a forced row sees the forced prefix."""
+    model = loaded.model
+    cache, first = prefilled(model, prompt)
+    cache.batch_repeat_interleave(2)
+    tokens, logprobs = decode_rows(model, cache, [first, first], 3, RuleAttention([None, FixedBudget(1)]))
+    alone, alone_logprobs = decode_rows(model, prefilled(model, prompt)[0], [first], 3, RuleAttention([FixedBudget(1)]))
+    assert torch.equal(tokens[1], alone[0])
+    torch.testing.assert_close(logprobs[1], alone_logprobs[0], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(tokens[0], tokens[1]), "one block of five should change the greedy tokens"
+    forced_tokens, forced = decode_rows(model, prefilled(model, prompt)[0], [first], 3, RuleAttention([FixedBudget(1)]),
+                                        forced=tokens[0].tolist())
+    # Step by step on the dense tokens: the same numbers.
+    replay = []
+    cache = prefilled(model, prompt)[0]
+    for fed in tokens[0, :3].tolist():
+        replay.append(decode_rows(model, cache, [fed], 1, RuleAttention([FixedBudget(1)]))[1][0, 0])
+    torch.testing.assert_close(forced[0], torch.stack(replay))
+    assert forced_tokens[0, 0] == first
+
+
+def test_tasks_are_reported_separately(loaded, prompt):
+    niah = niah_prompt(320, depth=0.5, seed=2, tokenizer=loaded.tokenizer)
+    table = compare_generation(loaded.model, loaded.tokenizer, [prompt, niah], {"one_block": FixedBudget(1)},
+                               max_new_tokens=2, progress=False)
+    assert list(table["task"]) == ["passkey", "passkey", "niah", "niah"]
+    assert (table["prompts"] == 1).all()
 
 
 def test_importance_order_walks_blocks_by_their_key_bound():
     cache = synthetic_cache(1, 6, 2, 400, 16, preset="realistic", seed=5)
     query = cache.q[:, :, None]                                  # [B, Hq, 1, D], as the model passes it
-    hook = RuleAttention(FixedBudget(2), block_size=64, order="importance")
+    hook = RuleAttention([FixedBudget(2)], block_size=64, order="importance")
     out, _ = hook(None, None, query, cache.k, cache.v, None, scaling=0.25)
     bounds = block_score_bounds(cache.q, cache.k, cache.v, block_size=64).view(1, 2, 3, -1).amax(2)
+    assert torch.equal(bounds, group_block_bounds(cache.q, cache.k, cache.v, block_size=64))
     trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, order="importance",
                                 block_scores=bounds, sm_scale=0.25)
     expected = stop(trace, FixedBudget(2)).output
@@ -57,12 +99,12 @@ def test_importance_order_walks_blocks_by_their_key_bound():
     torch.testing.assert_close(out[:, 0], expected.float())
     top_two = bounds.topk(2, dim=-1).indices.sort(-1).values
     assert torch.equal(trace.block_ids[..., :2].sort(-1).values, top_two)
-    assert hook.loaded == [pytest.approx(128 / 400)]
+    assert hook.loaded == [[pytest.approx(128 / 400)]]
 
 
 def test_importance_order_in_the_decode_loop_keeps_the_full_output(loaded, prompt):
     rows = compare_generation(loaded.model, loaded.tokenizer, [prompt], {"never": ARTConfig(tau=0.0, phi=0.0)},
-                              max_new_tokens=3, order="importance")
+                              max_new_tokens=3, order="importance").to_dict("records")
     assert [r["order"] for r in rows] == ["importance", "importance"]
     assert rows[1]["token_agreement"] == 1.0 and rows[1]["loaded_fraction"] == 1.0
 

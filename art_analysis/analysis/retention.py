@@ -1,0 +1,189 @@
+"""Retention: does the model still answer when a stopping rule runs inside every decode attention call?
+
+The simulator's truncated output replaces the model's attention at every decode step
+(query length 1) of every layer: :class:`RuleAttention` walks the layer's KV cache block by
+block (:func:`~art_analysis.blockwise.blockwise_attention`), stops where the rule says
+(:func:`~art_analysis.termination.stop`) and returns attention over the visited blocks
+only.  The prefill, and so the first generated token, is always dense.  For retrieval prompts
+(passkey, needle-in-a-haystack) :func:`compare_generation` reports, per task and rule, whether
+the answer survives in the greedy output, how many tokens agree with dense decoding (the same
+code path with no rule), and the KL divergence of the next-token distribution from dense
+decoding's, teacher-forced on dense decoding's tokens so that every step compares the same
+prefix.  This is the toolkit's stand-in for the paper's LongBench retention.
+
+Every rule decodes the same prompt, so the rules run as the rows of one batch: the prefill
+cache is repeated once per rule and row ``r`` of every decode attention call is truncated by
+rule ``r`` (:class:`RuleAttention`), one model forward per step for all of them.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from ..attention_override import override_attention
+from ..blockwise import blockwise_attention
+from ..corpus import Prompt
+from ..models import cache_argument
+from ..policies.quest import group_block_bounds
+from ..termination import Rule, stop
+
+
+@dataclass
+class RuleAttention:
+    """An attention hook for :func:`art_analysis.attention_override.override_attention`.
+
+    Decode calls (query length 1) truncate batch row ``r`` by ``rules[r]`` (``None``: the full walk,
+    i.e. dense attention through the simulator) and record that row's loaded fraction (mean over
+    query heads) in ``loaded[r]``; prefill calls run the model's own attention.
+    """
+
+    rules: Sequence[Rule | None]
+    block_size: int = 64
+    order: str = "sink_recency"
+    loaded: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rules = list(self.rules)
+        if not self.rules:
+            raise ValueError("RuleAttention needs one rule (or None) per batch row")
+        self.loaded = [[] for _ in self.rules]
+
+    def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if query.shape[2] != 1:
+            return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if query.shape[0] != len(self.rules):
+            raise ValueError(f"the decode batch has {query.shape[0]} rows but {len(self.rules)} rules were given")
+        q = query[:, :, 0]
+        block_scores = None
+        if self.order == "importance":
+            # Quest's key bound, max over the group: the block that could score highest comes first.
+            block_scores = group_block_bounds(q, key, value, block_size=self.block_size)
+        trace = blockwise_attention(q, key, value, block_size=self.block_size, order=self.order,
+                                    sm_scale=scaling, block_scores=block_scores)
+        output = trace.final_out.clone()
+        for row, rule in enumerate(self.rules):
+            if rule is None:
+                self.loaded[row].append(1.0)
+                continue
+            result = stop(trace, rule)
+            output[row] = result.output[row]
+            self.loaded[row].append(float(result.loaded_fraction[row].mean()))
+        return output.to(query.dtype)[:, None], None
+
+
+def decode_rows(model, cache, first_tokens: Sequence[int], steps: int, hook: RuleAttention,
+                forced: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``steps`` tokens for every row of a prefilled ``cache`` (consumed), greedily or, with
+    ``forced`` (``first_token`` then ``steps - 1`` tokens, shared by all rows), teacher-forced.
+
+    Returns:
+        ``tokens [R, steps + 1]`` (the first tokens, then the greedy choices) and ``logprobs
+        [R, steps, vocab]`` float64 (the next-token log-probabilities after each fed token).
+    """
+    if forced is not None and len(forced) < steps:
+        raise ValueError(f"forced tokens must cover {steps} steps, got {len(forced)}")
+    tokens = [torch.tensor(list(first_tokens), dtype=torch.long)]
+    logprobs = []
+    fed = tokens[0]
+    cache_kwarg = {cache_argument(model): cache}
+    with override_attention(model, hook, "art_rule"), torch.inference_mode():
+        for step in range(steps):
+            out = model(input_ids=fed[:, None], use_cache=True, logits_to_keep=1, **cache_kwarg)
+            logprobs.append(torch.log_softmax(out.logits[:, -1].double(), dim=-1))
+            tokens.append(logprobs[-1].argmax(-1))
+            if forced is None or step + 1 >= len(forced):
+                fed = tokens[-1]
+            else:
+                fed = torch.full_like(fed, int(forced[step + 1]))
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+def _repeated(cache, rows: int):
+    repeated = copy.deepcopy(cache)
+    repeated.batch_repeat_interleave(rows)
+    return repeated
+
+
+def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mapping[str, Rule | None],
+                       max_new_tokens: int = 12, block_size: int = 64, order: str = "sink_recency",
+                       progress: bool = True) -> pd.DataFrame:
+    """Generate every prompt's answer with each rule and compare with dense decoding.
+
+    Args:
+        model, tokenizer: a loaded causal LM (e.g. :func:`art_analysis.models.load_model`).
+        prompts: retrieval prompts with token ids (built with the model's tokenizer).
+        rules: name -> stopping rule; ``"dense"`` (``None``) is added as the reference.
+        max_new_tokens: generated tokens per prompt (the first comes from the dense prefill).
+        block_size, order: the walk of every decode attention call (see :class:`RuleAttention`).
+
+    Returns:
+        One row per ``(task, rule)`` (``task`` is the prompts' kind): ``rule, order, accuracy``
+        (share of prompts whose answer appears in the generated text), ``answer_retained`` (share of
+        the prompts dense decoding answers that the rule still answers), ``token_agreement`` (share of
+        generated tokens equal to dense decoding's), ``first_divergence`` (mean index of the first
+        differing token, ``max_new_tokens`` if none), ``kl_mean`` / ``kl_max`` (KL(dense || rule) of the
+        teacher-forced next-token distributions, nats, over every step of every prompt),
+        ``loaded_fraction`` (mean over layers, decode steps and prompts of the free-running decode),
+        ``prompts``.
+    """
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2 (the first token comes from the prefill), got {max_new_tokens}")
+    if not prompts:
+        raise ValueError("compare_generation needs at least one prompt")
+    if any(p.input_ids is None for p in prompts):
+        raise ValueError("prompts must carry input_ids: build them with the model's tokenizer")
+    rules = {"dense": None, **{name: rule for name, rule in rules.items() if name != "dense"}}
+    names, steps = list(rules), max_new_tokens - 1
+    from transformers import DynamicCache
+
+    records = []
+    for prompt in tqdm(prompts, desc=f"retention ({order})", leave=False, disable=not progress):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, logits_to_keep=1,
+                        **{cache_argument(model): cache})
+        first = int(out.logits[0, -1].argmax())
+        hook = RuleAttention([rules[n] for n in names], block_size=block_size, order=order)
+        tokens, logprobs = decode_rows(model, _repeated(cache, len(names)), [first] * len(names), steps, hook)
+        dense = tokens[0]
+        # Rows that left dense decoding's path are replayed teacher-forced on it for the KL.
+        diverged = [r for r in range(1, len(names)) if not torch.equal(tokens[r], dense)]
+        if diverged:
+            replay = RuleAttention([rules[names[r]] for r in diverged], block_size=block_size, order=order)
+            _, logprobs[diverged] = decode_rows(model, _repeated(cache, len(diverged)), [first] * len(diverged),
+                                                steps, replay, forced=dense.tolist())
+        kl = (logprobs[0].exp() * (logprobs[0] - logprobs)).sum(-1).clamp(min=0)          # [R, steps]
+        dense_correct = prompt.answer in tokenizer.decode(dense.tolist())
+        for r, name in enumerate(names):
+            same = (tokens[r] == dense).tolist()
+            records.append(dict(task=prompt.kind, rule=name, correct=prompt.answer in tokenizer.decode(tokens[r].tolist()),
+                                dense_correct=dense_correct, agree=sum(same),
+                                divergence=same.index(False) if False in same else max_new_tokens,
+                                kl=kl[r], loaded=hook.loaded[r]))
+    rows = []
+    for task in dict.fromkeys(r["task"] for r in records):
+        for name, rule in rules.items():
+            group = [r for r in records if r["task"] == task and r["rule"] == name]
+            kl = torch.cat([r["kl"] for r in group])
+            loaded = [x for r in group for x in r["loaded"]]
+            answered = [r for r in group if r["dense_correct"]]
+            rows.append(dict(task=task, rule=name if rule is None else f"{name}: {rule.name}", order=order,
+                             accuracy=sum(r["correct"] for r in group) / len(group),
+                             answer_retained=(sum(r["correct"] for r in answered) / len(answered)
+                                              if answered else float("nan")),
+                             token_agreement=sum(r["agree"] for r in group) / (len(group) * max_new_tokens),
+                             first_divergence=sum(r["divergence"] for r in group) / len(group),
+                             kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+                             loaded_fraction=sum(loaded) / len(loaded), prompts=len(group)))
+    return pd.DataFrame(rows)
+
+
+GENERATION_COLUMNS = ("task", "rule", "order", "accuracy", "answer_retained", "token_agreement", "first_divergence",
+                      "kl_mean", "kl_max", "loaded_fraction", "prompts")
+GENERATION_FORMATS = {"accuracy": ".2f", "answer_retained": ".2f", "token_agreement": ".3f",
+                      "first_divergence": ".1f", "kl_mean": ".2e", "kl_max": ".2e", "loaded_fraction": ".3f"}

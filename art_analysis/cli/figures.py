@@ -1,0 +1,223 @@
+"""`art-analysis figures`: every study of one capture, its figures and its tables.
+
+Runs convergence (per order, per layer; the recent-window curve), misalignment, threshold
+sensitivity (heatmaps, patience, Pareto frontiers against the baselines, false stops), the
+ablations, the truncation bounds and the KV-selection policies on ``--capture`` (or a synthetic
+cache), writes ``<out>/<figure>.png`` and ``.pdf`` for each and ``<out>/studies.json`` with every
+table, and prints the key tables.  Kernel and FlexPrefill latency figures are drawn from the
+newest GPU benchmark JSON in ``--benchmarks`` when there is one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from kernels.results_io import write_json_atomic
+
+from ..analysis.ablation import ablation_table
+from ..analysis.bounds import bound_summary, bound_table
+from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, compose_with_art
+from ..analysis.convergence import convergence_curves, recent_window_curves
+from ..analysis.inputs import decode_inputs
+from ..analysis.misalignment import misaligned_tokens, misalignment_rates
+from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, baseline_sweep, pick_default, threshold_grid
+from ..plots.ablation import plot_ablation
+from ..plots.bounds import plot_bounds
+from ..plots.composition import plot_composition
+from ..plots.convergence import plot_convergence, plot_recent_window
+from ..plots.misalignment import plot_misalignment_rates, plot_score_vs_contribution
+from ..plots.sensitivity import plot_false_stops, plot_pareto, plot_patience_curves, plot_threshold_heatmaps
+from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
+from ..synthetic import PRESETS, synthetic_cache
+from ..table import format_table
+from ..termination import ARTConfig, FixedBudget, MassCoverage
+
+TAUS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
+PHIS = (1e-3, 1e-4, 1e-5, 1e-6)
+PATIENCES = (2, 4, 8, 16)
+QUICK_GRID = ((1e-2, 1e-3, 1e-4), (1e-4, 1e-6), (4, 16))
+# The 99th-percentile error bound under which the sensitivity study picks a setting.
+ERROR_BOUND = 0.02
+
+ABLATION_COLUMNS = ("variant", "loaded_fraction", "loaded_vs_full", "rel_error_mean", "rel_error_p99",
+                    "false_stop_rate")
+ABLATION_FORMATS = {**SUMMARY_FORMATS, "loaded_vs_full": ".3f", "false_stop_rate": ".3f"}
+BOUND_COLUMNS = ("rule", "heads", "truncated", "error_mean", "bound_mean_holds", "bound_max_value_holds",
+                 "bound_certified_holds", "bound_mean_tightness_median", "certified_le_0_05")
+BOUND_FORMATS = {"error_mean": ".2e", "bound_mean_holds": ".3f", "bound_max_value_holds": ".3f",
+                 "bound_certified_holds": ".3f", "bound_mean_tightness_median": ".2f", "certified_le_0_05": ".3f"}
+
+
+@dataclass
+class CaptureStudies:
+    """Every study of one source (DataFrames as returned by :mod:`art_analysis.analysis`)."""
+
+    source: str
+    art: str
+    convergence: pd.DataFrame
+    recent_window: pd.DataFrame
+    misalignment_rates: pd.DataFrame
+    misaligned_tokens: pd.DataFrame
+    rules: pd.DataFrame
+    grid: pd.DataFrame
+    chosen: dict
+    baselines: pd.DataFrame
+    ablation: pd.DataFrame
+    bounds: pd.DataFrame
+    bounds_summary: pd.DataFrame
+    composition: pd.DataFrame
+
+    def tables(self) -> dict:
+        """JSON-ready tables (per-token and per-head rows left out)."""
+        skip = {"misaligned_tokens", "bounds"}
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in skip:
+                out[f.name] = value.to_dict("records") if isinstance(value, pd.DataFrame) else value
+        return out
+
+
+def bound_rules(art: ARTConfig) -> dict:
+    """The stops at which the truncation bounds are checked (they must hold at any stop)."""
+    return {"art": art, "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9), "fixed_8": FixedBudget(8)}
+
+
+def run_studies(source, name: str, *, art: ARTConfig | None = None, block_size: int = 64, step: int = -1,
+                quick: bool = False, error_bound: float = ERROR_BOUND) -> CaptureStudies:
+    """Run every capture study on ``source`` (a capture, a synthetic cache or decode inputs).
+
+    ``art`` (default ``ARTConfig()``) is the rule of the ablation, bounds and policy studies;
+    the sensitivity grid (smaller with ``quick``) also picks the setting with the smallest loaded
+    fraction whose 99th-percentile error stays within ``error_bound`` (``chosen``).
+    """
+    art = art or ARTConfig()
+    calls = decode_inputs(source, step)
+    taus, phis, patiences = QUICK_GRID if quick else (TAUS, PHIS, PATIENCES)
+    progress = tqdm(total=8, desc=f"studies ({name})", leave=False)
+
+    def done(result):
+        progress.update()
+        return result
+
+    walks = done([call.trace(block_size=block_size) for call in calls])
+    convergence = done(convergence_curves(calls, block_size=block_size))
+    recent = done(recent_window_curves(calls))
+    rates = misalignment_rates(calls)
+    tokens = done(misaligned_tokens(calls))
+    rules = pd.DataFrame(summarize(walks, standard_rules(art), oracle_eps=DEFAULT_ORACLE_EPS))
+    grid = threshold_grid(walks, taus, phis, patiences, base=art)
+    try:
+        chosen = dict(pick_default(grid, error_bound), within_bound=True)
+    except ValueError:   # no setting meets the bound: report the most accurate one, flagged
+        best = grid.sort_values(["rel_error_p99", "loaded_fraction"]).iloc[0]
+        chosen = {key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()}
+        chosen["within_bound"] = False
+    baselines = done(baseline_sweep(walks))
+    ablation = done(ablation_table(walks, art))
+    bounds = done(bound_table(calls, bound_rules(art), block_size=block_size))
+    composition = done(compose_with_art(calls, art=art, block_size=block_size))
+    progress.close()
+    return CaptureStudies(source=name, art=art.name, convergence=convergence, recent_window=recent,
+                          misalignment_rates=rates, misaligned_tokens=tokens, rules=rules, grid=grid, chosen=chosen,
+                          baselines=baselines, ablation=ablation, bounds=bounds, bounds_summary=bound_summary(bounds),
+                          composition=composition)
+
+
+def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
+    """Every figure of ``studies`` into ``out`` (PNG + PDF); returns name -> PNG path."""
+    name = studies.source
+    return dict(
+        convergence=plot_convergence(studies.convergence, out / "convergence.png",
+                                     title=f"Convergence by traversal order ({name})"),
+        recent_window=plot_recent_window(studies.recent_window, out / "recent_window.png",
+                                         title=f"Recent-window retention curve ({name})"),
+        misalignment=plot_score_vs_contribution(studies.misaligned_tokens, out / "misalignment.png"),
+        misalignment_rates=plot_misalignment_rates(studies.misalignment_rates, out / "misalignment_rates.png",
+                                                   title=f"Score vs contribution misalignment ({name})"),
+        sensitivity_heatmaps=plot_threshold_heatmaps(studies.grid, out / "sensitivity_heatmaps.png",
+                                                     title=f"ART over tau x phi ({name})"),
+        sensitivity_patience=plot_patience_curves(studies.grid, out / "sensitivity_patience.png",
+                                                  title=f"ART against patience ({name})"),
+        pareto=plot_pareto(studies.grid, studies.baselines, out / "pareto.png", chosen=studies.chosen,
+                           title=f"Loaded fraction against error ({name})"),
+        false_stops=plot_false_stops(studies.grid, out / "false_stops.png", chosen=studies.chosen,
+                                     title=f"Stops before Oracle(eps={DEFAULT_ORACLE_EPS:g}) ({name})"),
+        ablation=plot_ablation(studies.ablation, out / "ablation.png", title=f"ART ablations ({name})"),
+        bounds=plot_bounds(studies.bounds, out / "bounds.png", title=f"Truncation error against its bounds ({name})"),
+        composition=plot_composition(studies.composition, out / "composition.png",
+                                     title=f"KV-selection policies followed by ART ({name})"),
+    )
+
+
+def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
+    """The kernel-speed and FlexPrefill-latency figures from the newest GPU results in ``benchmarks``
+    (none when the folder holds no results)."""
+    from ..plots.flexprefill import latest_benchmark, plot_latency_vs_gamma
+    from ..plots.kernel_speed import plot_kernel_speed
+
+    figures = {}
+    decode = sorted(benchmarks.glob("*-art-decode.json"))
+    if decode:
+        figures["kernel_speed"] = plot_kernel_speed(json.loads(decode[-1].read_text()), out / "kernel_speed.png")
+    prefill = latest_benchmark(benchmarks)
+    if prefill is not None:
+        figures["flexprefill_latency"] = plot_latency_vs_gamma(json.loads(prefill.read_text())["rows"],
+                                                               out / "flexprefill_latency_vs_gamma.png")
+    return figures
+
+
+def print_studies(studies: CaptureStudies) -> None:
+    """The key tables of ``studies`` on standard output."""
+    chosen = studies.chosen
+    print(f"\nstopping rules on {studies.source}")
+    print(format_table(studies.rules, SUMMARY_COLUMNS + ("false_stop_rate",),
+                       {**SUMMARY_FORMATS, "false_stop_rate": ".3f"}))
+    print(f"\nablations of {studies.art}")
+    print(format_table(studies.ablation, ABLATION_COLUMNS, ABLATION_FORMATS))
+    print("\ntruncation bounds at each rule's stops (share of heads where each bound holds)")
+    print(format_table(studies.bounds_summary, BOUND_COLUMNS, BOUND_FORMATS))
+    print(f"\npolicies followed by {studies.art}")
+    print(format_table(studies.composition, COMPOSITION_COLUMNS, COMPOSITION_FORMATS))
+    print(f"\n{'smallest loaded fraction' if chosen['within_bound'] else 'NO setting meets; lowest error'} "
+          f"with p99 error <= {ERROR_BOUND}: tau={chosen['tau']:g} phi={chosen['phi']:g} "
+          f"patience={chosen['patience']} (loaded {chosen['loaded_fraction']:.3f}, "
+          f"p99 {chosen['rel_error_p99']:.2e})")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("figures", help="run every study on a capture and draw its figures",
+                                   description=__doc__)
+    parser.add_argument("--capture", type=Path, help="a capture folder written by `art-analysis capture`")
+    parser.add_argument("--synthetic", choices=sorted(PRESETS), help="use a synthetic cache instead")
+    parser.add_argument("--step", type=int, default=-1, help="decode step of the capture (default: the last)")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a smaller threshold grid")
+    parser.add_argument("--benchmarks", type=Path, default=Path("benchmarks/results"),
+                        help="GPU benchmark JSON folder for the kernel figures")
+    parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.capture is None) == (args.synthetic is None):
+        raise ValueError("give exactly one of --capture DIR and --synthetic PRESET")
+    if args.capture is not None:
+        from ..capture import KVCapture
+
+        source, name = KVCapture.load(args.capture), args.capture.name
+    else:
+        source, name = synthetic_cache(1, 8, 2, 2048 if args.quick else 8192, 64, preset=args.synthetic,
+                                       seed=0), f"synthetic-{args.synthetic}"
+    studies = run_studies(source, name, block_size=args.block_size, step=args.step, quick=args.quick)
+    figures = draw_figures(studies, args.out)
+    figures.update(draw_benchmark_figures(args.benchmarks, args.out))
+    write_json_atomic(args.out / "studies.json", dict(studies.tables(), figures={k: str(p) for k, p in figures.items()}))
+    print_studies(studies)
+    print(f"\nwrote {len(figures)} figures (PNG + PDF) and studies.json to {args.out}")
+    return 0

@@ -1,0 +1,279 @@
+"""The capture studies on caches where the answer is known, and their command-line front ends."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from art_analysis.analysis.ablation import ablation_table, ablation_variants
+from art_analysis.analysis.bounds import bound_summary, bound_table
+from art_analysis.analysis.composition import compose_with_art
+from art_analysis.analysis.convergence import convergence_curves, error_at, error_curve, recent_window_curves
+from art_analysis.analysis.inputs import DecodeInput, decode_inputs, traces
+from art_analysis.analysis.misalignment import misaligned_tokens, misalignment_rates
+from art_analysis.analysis.sensitivity import baseline_sweep, pareto_front, pick_default, threshold_grid
+from art_analysis.blockwise import blockwise_attention
+from art_analysis.cli import main
+from art_analysis.cli.figures import bound_rules
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig, FixedBudget, MassCoverage, Oracle, stop
+
+CAPTURED_LAYER = Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors"
+
+
+def sink_only_cache(seqlen=640, dim=8, kv_heads=2, group=2, sink_tokens=4):
+    """Every query attends to the first ``sink_tokens`` tokens only (the rest have exp(logit) = 0 in float64)."""
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(1, kv_heads, 1, dim, generator=gen), dim=-1)
+    q = (direction.expand(1, kv_heads, group, dim) * dim ** 0.5).reshape(1, kv_heads * group, dim)
+    k = torch.randn(1, kv_heads, seqlen, dim, generator=gen) * 0.1
+    k[:, :, :sink_tokens] = direction * 2000.0          # logit ~ 2000 * sqrt(D) / sqrt(D)
+    v = torch.randn(1, kv_heads, seqlen, dim, generator=gen)
+    return DecodeInput(q.double(), k.double(), v.double(), torch.tensor([seqlen]), None, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def realistic():
+    return synthetic_cache(1, 4, 2, 1000, 16, preset="realistic", seed=2)
+
+
+@pytest.fixture(scope="module")
+def walks(realistic):
+    return traces(realistic, block_size=100)
+
+
+def captured_inputs(steps=2):
+    tensors = load_file(str(CAPTURED_LAYER))
+    k, v, decode_q = tensors["k"].double(), tensors["v"].double(), tensors["decode_q"].double()
+    context = k.shape[2] - decode_q.shape[2]
+    return [DecodeInput(decode_q[:, :, t], k, v, torch.tensor([context + t + 1]), None, 15, 30) for t in range(steps)]
+
+
+# ----------------------------------------------------------------------------- inputs
+def test_decode_inputs_accept_every_source(realistic):
+    (call,) = decode_inputs(realistic)
+    assert call.layer == 0 and call.num_layers == 1 and int(call.cache_seqlens[0]) == 1000
+    assert decode_inputs([tuple(call)])[0].layer == 0
+    with pytest.raises(TypeError, match="source must be"):
+        decode_inputs("captures/x")
+    with pytest.raises(TypeError, match="DecodeInput"):
+        decode_inputs([(1, 2)])
+
+
+# ----------------------------------------------------------------------------- convergence
+def test_all_mass_in_the_sink_gives_zero_error_after_step_zero():
+    call = sink_only_cache()
+    for order in ("sink_recency", "sequential"):
+        _, error = error_curve(call.trace(order=order))
+        assert torch.all(error == 0), order
+    curves = convergence_curves([call], orders=("sink_recency", "recency"), fractions=[0.0, 0.1, 0.5, 1.0])
+    sink_first = curves[curves["order"] == "sink_recency"].set_index("loaded_fraction")
+    assert sink_first.loc[0.0, "error_median"] == 1.0            # nothing loaded yet
+    assert (sink_first.loc[[0.1, 0.5, 1.0], "error_q75"] == 0).all()
+    newest_first = curves[curves["order"] == "recency"].set_index("loaded_fraction")
+    assert newest_first.loc[0.5, "error_median"] > 0.5            # the sink is read last
+    assert newest_first.loc[1.0, "error_median"] == 0
+
+
+def test_recent_window_without_the_sink_misses_it_and_with_it_is_exact():
+    window = recent_window_curves([sink_only_cache()], fractions=[0.25, 0.5, 1.0], sink_tokens=(0, 4))
+    recent = window[window["window"] == "recent"].set_index("loaded_fraction")
+    assert (recent.loc[[0.25, 0.5], "error_q25"] > 0.5).all()
+    assert recent.loc[1.0, "error_q75"] < 1e-12
+    with_sink = window[window["window"] == "sink4+recent"]
+    assert (with_sink["error_q75"] < 1e-12).all()
+    assert with_sink["loaded_fraction"].iloc[0] == pytest.approx((160 + 4) / 640)
+
+
+def test_recent_window_matches_direct_attention_over_the_window(realistic):
+    window = recent_window_curves(realistic, fractions=[0.3], sink_tokens=(0, 4))
+    q, k, v = realistic.q.double(), realistic.k.double(), realistic.v.double()
+    keep = torch.zeros(1000, dtype=torch.bool)
+    keep[-300:] = True
+    keep[:4] = True
+    logits = torch.einsum("bhd,bhsd->bhs", q, k.repeat_interleave(2, 1)) / 4.0
+    full = torch.einsum("bhs,bhsd->bhd", torch.softmax(logits, -1), v.repeat_interleave(2, 1))
+    part = torch.einsum("bhs,bhsd->bhd", torch.softmax(logits.masked_fill(~keep, float("-inf")), -1),
+                        v.repeat_interleave(2, 1))
+    error = ((part - full).norm(dim=-1) / full.norm(dim=-1)).flatten()
+    row = window[window["window"] == "sink4+recent"].iloc[0]
+    assert row["error_mean"] == pytest.approx(float(error.mean()), rel=1e-9)
+    assert row["error_median"] == pytest.approx(float(error.quantile(0.5)), rel=1e-9)
+
+
+def test_convergence_quantiles_are_over_heads(walks, realistic):
+    fractions = torch.tensor([0.0, 0.35, 1.0], dtype=torch.float64)
+    at = error_at(walks[0], fractions)
+    assert at[:, 0].eq(1).all() and at[:, 2].eq(0).all()
+    _, error = error_curve(walks[0])
+    assert torch.equal(at[:, 1], error[..., 2].flatten())        # 0.3 <= 0.35 < 0.4
+    curves = convergence_curves(realistic, orders=("sink_recency",), fractions=fractions, block_size=100)
+    assert curves["error_median"].tolist()[1] == pytest.approx(float(at[:, 1].quantile(0.5)))
+    assert list(curves.columns[:2]) == ["layer", "order"] and (curves["heads"] == 4).all()
+    with pytest.raises(ValueError, match="orders"):
+        convergence_curves(realistic, orders=("random",))
+
+
+# ----------------------------------------------------------------------------- misalignment
+def test_a_planted_high_value_low_attention_token_is_flagged():
+    cache = synthetic_cache(1, 4, 2, 500, 16, value_outliers=0, heavy_hitters=0, seed=3)
+    call = decode_inputs(cache)[0]
+    weights = torch.softmax(torch.einsum("hd,hsd->hs", cache.q[0, :2], cache.k[0, 0].expand(2, -1, -1)) / 4, -1)
+    planted = int(weights.amax(0).argsort()[100])                 # a token the scores rank low
+    v = cache.v.clone()
+    v[0, 0, planted] *= 1e4
+    tokens = misaligned_tokens([call._replace(v=v)], top=0.2)
+    row = tokens[(tokens["kv_head"] == 0) & (tokens["token"] == planted)].iloc[0]
+    assert row["misaligned"] and row["top_contribution"] and row["score_rank"] > 0.2
+    assert tokens[(tokens["kv_head"] == 1)]["token"].nunique() == 500
+
+
+def test_aligned_rankings_have_no_misalignment_and_full_recall():
+    cache = synthetic_cache(1, 4, 2, 300, 16, seed=4)
+    v = torch.nn.functional.normalize(cache.v, dim=-1)            # equal value norms: contribution ~ score
+    call = decode_inputs(cache)[0]._replace(v=v)
+    rates = misalignment_rates([call], ks=(0.05, 0.2))
+    assert (rates["misaligned_rate"] == 0).all()
+    assert (rates["recall@0.05"] == 1).all() and (rates["recall@0.2"] == 1).all()
+    assert list(rates["kv_head"]) == [0, 1]
+    with pytest.raises(ValueError, match="top"):
+        misalignment_rates([call], top=0)
+    with pytest.raises(ValueError, match="layer 3"):
+        misaligned_tokens([call], layer=3)
+
+
+# ----------------------------------------------------------------------------- sensitivity
+def test_threshold_grid_rows_equal_single_evaluations(walks):
+    grid = threshold_grid(walks, [1e-3, 1e-5], [1e-4], [2, 4])
+    assert list(zip(grid["tau"], grid["patience"])) == [(1e-3, 2), (1e-3, 4), (1e-5, 2), (1e-5, 4)]
+    rule = ARTConfig(tau=1e-5, phi=1e-4, patience=4)
+    single = stop(walks[0], rule)
+    oracle = stop(walks[0], Oracle(0.01))
+    assert grid["loaded_fraction"].iloc[3] == pytest.approx(float(single.loaded_fraction.mean()))
+    assert grid["false_stop_rate"].iloc[3] == pytest.approx(
+        float((single.stop_step < oracle.stop_step).double().mean()))
+    best = pick_default(grid, max_p99_error=1.0)
+    assert best["loaded_fraction"] == grid["loaded_fraction"].min()
+    with pytest.raises(ValueError, match="no setting"):
+        pick_default(grid, max_p99_error=-1.0)
+
+
+def test_false_stops_are_the_heads_stopped_before_the_oracle(walks):
+    grid = threshold_grid(walks, [1.0], [1.0], [1], base=ARTConfig(min_steps=0))
+    stops = stop(walks[0], ARTConfig(tau=1.0, phi=1.0, patience=1, min_steps=0)).stop_step
+    assert torch.all(stops == 1)                                   # the first step with a previous probe
+    early = stops < stop(walks[0], Oracle(0.01)).stop_step
+    assert grid["false_stop_rate"].iloc[0] == pytest.approx(float(early.double().mean()))
+    assert grid["false_stop_rate"].iloc[0] > 0
+
+
+def test_baseline_sweep_and_pareto_front(walks):
+    sweep = baseline_sweep(walks, eps=(0.1, 0.01), gammas=(0.9,), steps=(1, 10))
+    assert list(sweep["family"]) == ["Oracle", "Oracle", "MassCoverage", "FixedBudget", "FixedBudget"]
+    assert sweep.set_index("parameter").loc[10, "loaded_fraction"] == 1.0
+    coverage = stop(walks[0], MassCoverage(0.9))
+    assert sweep["loaded_fraction"].iloc[2] == pytest.approx(float(coverage.loaded_fraction.mean()))
+    rows = pd.DataFrame(dict(family=["a"] * 4 + ["b"], loaded_fraction=[0.1, 0.2, 0.3, 0.4, 0.5],
+                             rel_error_p99=[0.5, 0.6, 0.1, 0.2, 0.9]))
+    front = pareto_front(rows)
+    assert list(front.index) == [0, 2, 4]
+
+
+# ----------------------------------------------------------------------------- ablation
+def test_ablation_rows_are_their_variants(walks):
+    table = ablation_table(walks)
+    variants = ablation_variants()
+    assert list(table["variant"]) == list(variants)
+    for _, row in table.iterrows():
+        expected = stop(walks[0], variants[row["variant"]]).loaded_fraction.mean()
+        assert row["loaded_fraction"] == pytest.approx(float(expected))
+    assert variants["mma_probe"].probe_dims == "mma" and variants["no_patience"].patience == 1
+    assert table["loaded_vs_full"].iloc[0] == 1.0
+    patience_one = table.set_index("variant").loc["no_patience"]
+    assert patience_one["loaded_fraction"] <= table["loaded_fraction"].iloc[0]
+
+
+# ----------------------------------------------------------------------------- bounds
+@pytest.mark.parametrize("preset", ["diffuse", "realistic", "peaked"])
+def test_bounds_hold_on_random_caches(preset):
+    cache = synthetic_cache(2, 6, 2, 700, 16, preset=preset, seed=7)
+    calls = [decode_inputs(cache)[0]._replace(cache_seqlens=torch.tensor([700, 333]))]
+    rules = {"art": ARTConfig(tau=1e-2, phi=1e-4, patience=2), "fixed_2": FixedBudget(2), "mass": MassCoverage(0.8)}
+    table = bound_table(calls, rules)
+    assert len(table) == 3 * 2 * 6
+    assert table[["bound_mean_holds", "bound_max_value_holds", "bound_certified_holds"]].all().all()
+    assert (table["identity_residual"] < 1e-10).all()
+    summary = bound_summary(table).set_index("rule")
+    assert summary.loc["fixed_2", "truncated"] == 12 and summary.loc["fixed_2", "bound_mean_holds"] == 1.0
+    assert summary.loc["fixed_2", "bound_mean_tightness_median"] >= 1.0
+
+
+def test_bounds_hold_on_a_captured_layer():
+    table = bound_table(captured_inputs(), bound_rules(ARTConfig()))
+    truncated = table[table["rho"] > 0]
+    assert len(truncated) > 0
+    assert table[["bound_mean_holds", "bound_max_value_holds", "bound_certified_holds"]].all().all()
+
+
+def test_a_violated_bound_is_reported():
+    table = bound_table(captured_inputs(1), {"fixed_1": FixedBudget(1)})
+    table.loc[0, "bound_mean_holds"] = False
+    assert bound_summary(table)["bound_mean_holds"].iloc[0] < 1
+
+
+# ----------------------------------------------------------------------------- composition
+def test_composition_table_per_policy(realistic):
+    table = compose_with_art(realistic, ["dense", "streaming:budget=0.5"], art=ARTConfig(tau=1e-2, phi=1e-4, patience=2))
+    assert list(table["policy"]) == ["dense", "streaming:budget=0.5"]
+    dense = table.iloc[0]
+    assert dense["kept_fraction"] == 1 and dense["policy_error"] == 0
+    assert dense["loaded_fraction"] == pytest.approx(dense["art_loaded_of_kept"])
+    with pytest.raises(ValueError, match="policy spec"):
+        compose_with_art(realistic, [])
+
+
+# ----------------------------------------------------------------------------- commands
+FIGURES = ("convergence", "recent_window", "misalignment", "misalignment_rates", "sensitivity_heatmaps",
+           "sensitivity_patience", "pareto", "false_stops", "ablation", "bounds", "composition")
+
+
+def test_figures_command_writes_every_figure_and_table(tmp_path, capsys):
+    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(tmp_path / "none"),
+                 "--out", str(tmp_path)]) == 0
+    for name in FIGURES:
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
+        assert (tmp_path / f"{name}.pdf").stat().st_size > 1_000, name
+    studies = json.loads((tmp_path / "studies.json").read_text())
+    assert {"convergence", "grid", "ablation", "bounds_summary", "composition", "chosen"} <= set(studies)
+    assert all(row["bound_mean_holds"] == 1.0 for row in studies["bounds_summary"])
+    assert "truncation bounds" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_figures_command_needs_one_source(capsys):
+    assert main(["figures"]) == 2
+    assert "exactly one of --capture" in capsys.readouterr().err
+
+
+def test_reproduce_quick_writes_every_expected_file(tmp_path, capsys):
+    from art_analysis.cli.report import render_report
+
+    assert main(["reproduce", "--quick", "--synthetic-only", "--out", str(tmp_path)]) == 0
+    expected = FIGURES + ("flexprefill_patterns", "flexprefill_kept_vs_gamma", "flexprefill_error_vs_gamma")
+    for name in expected:
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
+        assert (tmp_path / f"{name}.pdf").exists(), name
+    report = (tmp_path / "REPORT.md").read_text()
+    for heading in ("## The project defaults", "## Stopping rules", "## Convergence", "## Attention score",
+                    "## Ablations", "## Truncation error", "## KV-selection policies", "## Retention",
+                    "## FlexPrefill", "## GPU benchmarks"):
+        assert heading in report, heading
+    assert "hold for every head" in report
+    results = json.loads((tmp_path / "reproduce.json").read_text())
+    assert results["second_source"] == "synthetic-realistic-seed1" and results["second_check"]
+    assert set(pd.DataFrame(results["studies"]["convergence"])["order"]) == {
+        "sequential", "recency", "sink_recency", "importance"}
+    assert render_report(results) == report                      # the report re-renders from the JSON
+    assert not list(tmp_path.glob(".*tmp*"))
