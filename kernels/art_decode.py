@@ -27,18 +27,19 @@ Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends af
 ``N / P`` block times, while any monitor needs ``T`` sequential block times to see
 convergence at step ``T``; followers that restarted from scratch could never stop, and the
 leader scheme bounds an ART call by the split-K dense time when the walk does not stop.
-Its cost is the followers' blocks read before they see the flag, and the leader shares its
-multiprocessor with them.  Measured on the H200 (``benchmarks/NOTES-art-decode.md``;
-``ARTConfig()`` thresholds, bf16, CUDA-graph medians):
+Its cost is the followers' blocks read before they see the flag, and the leader (the only
+program that runs the monitor) is the slowest when the walk does not stop.  Measured on the
+H200 (``benchmarks/NOTES-art-decode.md``, V5; ``ARTConfig()`` thresholds, bf16, CUDA-graph
+medians):
 
 ====================================  ===========================  ===========================
 case                                  one split (ms, blocks read)   leader scheme (ms, read)
 ====================================  ===========================  ===========================
-synthetic 32/8, B = 1, S = 128k       0.076, 1.9 %                 0.115, 34 % (16 splits)
-synthetic 32/8, B = 8, S = 128k       0.078, 2.0 %                 0.116, 4.4 % (2 splits)
-synthetic 32/8, B = 1, S = 32k        0.076, 8.6 %                 0.065, 100 % (16 splits)
-SmolLM2 layer 9/3, B = 1, S = 32k     0.278, 24 %                  0.053, 100 % (16 splits)
-SmolLM2 layer 9/3, B = 1, S = 128k    0.279, 6 %                   0.076, 100 % (44 splits)
+synthetic 32/8, B = 1, S = 128k       0.071, 1.9 %                 0.091, 41 % (16 splits)
+synthetic 32/8, B = 8, S = 128k       0.073, 2.0 %                 0.091, 4.7 % (2 splits)
+synthetic 32/8, B = 1, S = 32k        0.071, 8.6 %                 0.062, 100 % (16 splits)
+SmolLM2 layer 9/3, B = 1, S = 32k     0.278, 24 % (V4)             0.050, 100 % (16 splits)
+SmolLM2 layer 9/3, B = 1, S = 128k    0.279, 6 % (V4)              0.072, 100 % (44 splits)
 ====================================  ===========================  ===========================
 
 With few ``(b, kv_head)`` pairs a lone walk is latency-bound (about 2 us per block), so
