@@ -204,15 +204,17 @@ def _exact(q, k, v, block_ids, seqlens, block_size, sm_scale):
     for first in range(0, num_blocks, chunk_blocks):
         last = min(first + chunk_blocks, num_blocks)
         start, stop = first * block_size, min(last * block_size, seqlen)
-        scores = torch.einsum("bhgd,bhld->bhgl", qg, k[:, :, start:stop].to(torch.float64))
-        valid = positions[start:stop][None, :] < seqlens[:, None]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        width = (last - first) * block_size
+        valid = positions[start:start + width][None, :] < seqlens[:, None]              # [B, width]
+        if stop - start < width:                                                        # a partial last block
+            valid = nn.functional.pad(valid, (0, width - (stop - start)), value=False)
+        scores = q.new_full((batch, kv_heads, group, width), float("-inf"), dtype=torch.float64)
+        scores[..., :stop - start] = torch.einsum("bhgd,bhld->bhgl", qg, k[:, :, start:stop].to(torch.float64))
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         # Tokens past cache_seqlens are never read: zero them so garbage there cannot leak in.
-        values = v[:, :, start:stop].to(torch.float64).masked_fill(~valid[:, None, :, None], 0.0)
-        pad = (last - first) * block_size - (stop - start)
-        if pad:
-            scores = nn.functional.pad(scores, (0, pad), value=float("-inf"))
-            values = nn.functional.pad(values, (0, 0, 0, pad))
+        values = v.new_zeros((batch, kv_heads, width, dim), dtype=torch.float64)
+        values[:, :, :stop - start] = v[:, :, start:stop]
+        values.masked_fill_(~valid[:, None, :, None], 0.0)
         scores = scores.view(batch, kv_heads, group, last - first, block_size)
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)

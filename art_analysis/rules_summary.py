@@ -54,4 +54,6 @@ def summarize(traces: Sequence[BlockTrace], rules: Sequence[Rule], oracle_eps: f
 
 SUMMARY_COLUMNS = ("rule", "loaded_fraction", "rel_error_mean", "rel_error_p99", "rel_error_max")
 SUMMARY_FORMATS = {"loaded_fraction": ".3f", "rel_error_mean": ".2e", "rel_error_p99": ".2e",
-                   "rel_error_max": ".2e"}
+                   "rel_error_max": ".2e", "false_stop_rate": ".3f"}
+# The columns of a summary made with ``oracle_eps``.
+RULE_COLUMNS = SUMMARY_COLUMNS + ("false_stop_rate",)

@@ -16,7 +16,7 @@ from art_analysis.analysis.misalignment import misaligned_tokens, misalignment_r
 from art_analysis.analysis.sensitivity import baseline_sweep, pareto_front, pick_default, threshold_grid
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
-from art_analysis.cli.figures import bound_rules
+from art_analysis.analysis.bounds import bound_rules
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, FixedBudget, MassCoverage, Oracle, stop
 

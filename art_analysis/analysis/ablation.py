@@ -13,7 +13,7 @@ from typing import Sequence
 import pandas as pd
 
 from ..blockwise import BlockTrace
-from ..rules_summary import summarize
+from ..rules_summary import SUMMARY_FORMATS, summarize
 from ..termination import ARTConfig
 from .sensitivity import DEFAULT_ORACLE_EPS
 
@@ -42,3 +42,8 @@ def ablation_table(traces: Sequence[BlockTrace], base: ARTConfig | None = None,
     table = pd.DataFrame([dict(variant=name, **row) for name, row in zip(variants, rows)])
     table["loaded_vs_full"] = table["loaded_fraction"] / table["loaded_fraction"].iloc[0]
     return table
+
+
+ABLATION_COLUMNS = ("variant", "loaded_fraction", "loaded_vs_full", "rel_error_mean", "rel_error_p99",
+                    "false_stop_rate")
+ABLATION_FORMATS = {**SUMMARY_FORMATS, "loaded_vs_full": ".3f", "false_stop_rate": ".3f"}

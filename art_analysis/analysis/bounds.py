@@ -27,7 +27,7 @@ import torch
 from ..blockwise import BlockTrace
 from ..checks import check_cache_seqlens, valid_token_mask
 from ..policies.quest import block_score_bounds
-from ..termination import Rule, stop
+from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, stop
 from .inputs import decode_inputs
 
 # A bound "holds" when error <= bound * (1 + BOUND_RTOL) + BOUND_ATOL: float64 rounding only.
@@ -136,6 +136,13 @@ def _block_set(ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.
     return marks[..., :num_blocks]
 
 
+def bound_rules(art: ARTConfig | None = None) -> dict:
+    """The stops at which the studies check the bounds (they must hold at any stop): ``art`` (default
+    ``ARTConfig()``), the paper's preset, 90% mass coverage and eight blocks."""
+    return {"art": art or ARTConfig(), "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9),
+            "fixed_8": FixedBudget(8)}
+
+
 def bound_table(source, rules: Mapping[str, Rule], *, block_size: int = 64, step: int = -1) -> pd.DataFrame:
     """The truncation error against its bounds at the stops of every rule, one row per query head.
 
@@ -184,3 +191,9 @@ def bound_summary(table: pd.DataFrame) -> pd.DataFrame:
                                     else float("nan"))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+BOUND_COLUMNS = ("rule", "heads", "truncated", "error_mean", "bound_mean_holds", "bound_max_value_holds",
+                 "bound_certified_holds", "bound_mean_tightness_median", "certified_le_0_05")
+BOUND_FORMATS = {"error_mean": ".2e", "bound_mean_holds": ".3f", "bound_max_value_holds": ".3f",
+                 "bound_certified_holds": ".3f", "bound_mean_tightness_median": ".2f", "certified_le_0_05": ".3f"}

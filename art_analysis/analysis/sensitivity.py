@@ -6,7 +6,8 @@
   ``FixedBudget(steps)`` over their parameter;
 * :func:`pareto_front`: the settings of each family that no other setting of the family beats on
   both loaded fraction and error;
-* :func:`pick_default`: the rule that chose ``ARTConfig()``.
+* :func:`pick_default`: the rule that chose ``ARTConfig()``; :func:`choose_setting` the same, with
+  the most accurate setting (flagged) when none meets the bound.
 
 All take traces (``analysis.inputs.traces(source)``) so that one walk serves every rule.
 """
@@ -23,6 +24,13 @@ from ..rules_summary import summarize
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Oracle
 
 DEFAULT_ORACLE_EPS = 0.01
+# The grid of the sensitivity study, a smaller one for quick runs, and the 99th-percentile error
+# bound under which the study picks the project's defaults (``figures/REPORT.md``).
+TAUS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
+PHIS = (1e-3, 1e-4, 1e-5, 1e-6)
+PATIENCES = (2, 4, 8, 16)
+QUICK_GRID = ((1e-2, 1e-3, 1e-4), (1e-4, 1e-6), (4, 16))
+ERROR_BOUND = 0.02
 
 
 def threshold_grid(traces: Sequence[BlockTrace], taus: Sequence[float], phis: Sequence[float],
@@ -79,3 +87,14 @@ def pick_default(rows: pd.DataFrame, max_p99_error: float) -> dict:
         raise ValueError(f"no setting keeps the 99th-percentile relative error under {max_p99_error}")
     best = feasible.sort_values(["loaded_fraction", "rel_error_p99"]).iloc[0]
     return {key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()}
+
+
+def choose_setting(rows: pd.DataFrame, max_p99_error: float = ERROR_BOUND) -> dict:
+    """:func:`pick_default` plus ``within_bound=True``; when no setting meets the bound, the setting
+    with the smallest 99th-percentile error, with ``within_bound=False``."""
+    try:
+        return dict(pick_default(rows, max_p99_error), within_bound=True)
+    except ValueError:
+        best = rows.sort_values(["rel_error_p99", "loaded_fraction"]).iloc[0]
+        return dict({key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()},
+                    within_bound=False)

@@ -19,39 +19,24 @@ from tqdm import tqdm
 
 from kernels.results_io import write_json_atomic
 
-from ..analysis.ablation import ablation_table
-from ..analysis.bounds import bound_summary, bound_table
+from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS, ablation_table
+from ..analysis.bounds import BOUND_COLUMNS, BOUND_FORMATS, bound_rules, bound_summary, bound_table
 from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, compose_with_art
 from ..analysis.convergence import convergence_curves, recent_window_curves
 from ..analysis.inputs import decode_inputs
 from ..analysis.misalignment import misaligned_tokens, misalignment_rates
-from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, baseline_sweep, pick_default, threshold_grid
+from ..analysis.sensitivity import (DEFAULT_ORACLE_EPS, ERROR_BOUND, PATIENCES, PHIS, QUICK_GRID, TAUS,
+                                    baseline_sweep, choose_setting, threshold_grid)
 from ..plots.ablation import plot_ablation
 from ..plots.bounds import plot_bounds
 from ..plots.composition import plot_composition
 from ..plots.convergence import plot_convergence, plot_recent_window
 from ..plots.misalignment import plot_misalignment_rates, plot_score_vs_contribution
 from ..plots.sensitivity import plot_false_stops, plot_pareto, plot_patience_curves, plot_threshold_heatmaps
-from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
+from ..rules_summary import RULE_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
-from ..termination import ARTConfig, FixedBudget, MassCoverage
-
-TAUS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
-PHIS = (1e-3, 1e-4, 1e-5, 1e-6)
-PATIENCES = (2, 4, 8, 16)
-QUICK_GRID = ((1e-2, 1e-3, 1e-4), (1e-4, 1e-6), (4, 16))
-# The 99th-percentile error bound under which the sensitivity study picks a setting.
-ERROR_BOUND = 0.02
-
-ABLATION_COLUMNS = ("variant", "loaded_fraction", "loaded_vs_full", "rel_error_mean", "rel_error_p99",
-                    "false_stop_rate")
-ABLATION_FORMATS = {**SUMMARY_FORMATS, "loaded_vs_full": ".3f", "false_stop_rate": ".3f"}
-BOUND_COLUMNS = ("rule", "heads", "truncated", "error_mean", "bound_mean_holds", "bound_max_value_holds",
-                 "bound_certified_holds", "bound_mean_tightness_median", "certified_le_0_05")
-BOUND_FORMATS = {"error_mean": ".2e", "bound_mean_holds": ".3f", "bound_max_value_holds": ".3f",
-                 "bound_certified_holds": ".3f", "bound_mean_tightness_median": ".2f", "certified_le_0_05": ".3f"}
-
+from ..termination import ARTConfig
 
 @dataclass
 class CaptureStudies:
@@ -83,11 +68,6 @@ class CaptureStudies:
         return out
 
 
-def bound_rules(art: ARTConfig) -> dict:
-    """The stops at which the truncation bounds are checked (they must hold at any stop)."""
-    return {"art": art, "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9), "fixed_8": FixedBudget(8)}
-
-
 def run_studies(source, name: str, *, art: ARTConfig | None = None, block_size: int = 64, step: int = -1,
                 quick: bool = False, error_bound: float = ERROR_BOUND) -> CaptureStudies:
     """Run every capture study on ``source`` (a capture, a synthetic cache or decode inputs).
@@ -112,12 +92,7 @@ def run_studies(source, name: str, *, art: ARTConfig | None = None, block_size: 
     tokens = done(misaligned_tokens(calls))
     rules = pd.DataFrame(summarize(walks, standard_rules(art), oracle_eps=DEFAULT_ORACLE_EPS))
     grid = threshold_grid(walks, taus, phis, patiences, base=art)
-    try:
-        chosen = dict(pick_default(grid, error_bound), within_bound=True)
-    except ValueError:   # no setting meets the bound: report the most accurate one, flagged
-        best = grid.sort_values(["rel_error_p99", "loaded_fraction"]).iloc[0]
-        chosen = {key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()}
-        chosen["within_bound"] = False
+    chosen = choose_setting(grid, error_bound)
     baselines = done(baseline_sweep(walks))
     ablation = done(ablation_table(walks, art))
     bounds = done(bound_table(calls, bound_rules(art), block_size=block_size))
@@ -176,8 +151,7 @@ def print_studies(studies: CaptureStudies) -> None:
     """The key tables of ``studies`` on standard output."""
     chosen = studies.chosen
     print(f"\nstopping rules on {studies.source}")
-    print(format_table(studies.rules, SUMMARY_COLUMNS + ("false_stop_rate",),
-                       {**SUMMARY_FORMATS, "false_stop_rate": ".3f"}))
+    print(format_table(studies.rules, RULE_COLUMNS, SUMMARY_FORMATS))
     print(f"\nablations of {studies.art}")
     print(format_table(studies.ablation, ABLATION_COLUMNS, ABLATION_FORMATS))
     print("\ntruncation bounds at each rule's stops (share of heads where each bound holds)")

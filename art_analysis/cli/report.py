@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS
+from ..analysis.bounds import BOUND_COLUMNS, BOUND_FORMATS
 from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS
 from ..analysis.retention import GENERATION_COLUMNS, GENERATION_FORMATS
-from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS
+from ..rules_summary import RULE_COLUMNS, SUMMARY_FORMATS
 from ..table import format_table
-from .figures import ABLATION_COLUMNS, ABLATION_FORMATS, BOUND_COLUMNS, BOUND_FORMATS
 from .flexprefill import COLUMNS as FLEXPREFILL_COLUMNS, FORMATS as FLEXPREFILL_FORMATS
 
-RULE_COLUMNS = SUMMARY_COLUMNS + ("false_stop_rate",)
-RULE_FORMATS = {**SUMMARY_FORMATS, "false_stop_rate": ".3f"}
 REPORT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 
 
@@ -90,13 +89,13 @@ def _defaults_section(results: dict) -> list[str]:
 
 def _rules_section(results: dict) -> list[str]:
     lines = ["## Stopping rules", "", f"### {results['main_source']}", "",
-             *_code(format_table(results["studies"]["rules"], RULE_COLUMNS, RULE_FORMATS))]
+             *_code(format_table(results["studies"]["rules"], RULE_COLUMNS, SUMMARY_FORMATS))]
     for name, rows in results["synthetic"].items():
-        lines += [f"### {name}", "", *_code(format_table(rows, RULE_COLUMNS, RULE_FORMATS))]
+        lines += [f"### {name}", "", *_code(format_table(rows, RULE_COLUMNS, SUMMARY_FORMATS))]
     front = pd.DataFrame(results["studies"]["baselines"])
     lines += ["Baselines over their parameter (the points of `pareto.png`):", "",
               *_code(format_table(front, ("family", "parameter", "loaded_fraction", "rel_error_mean", "rel_error_p99",
-                                          "false_stop_rate"), {**RULE_FORMATS, "parameter": "g"}))]
+                                          "false_stop_rate"), {**SUMMARY_FORMATS, "parameter": "g"}))]
     return lines
 
 

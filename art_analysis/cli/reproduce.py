@@ -26,14 +26,14 @@ from tqdm import tqdm
 from kernels.results_io import write_json_atomic, write_text_atomic
 
 from ..analysis.inputs import traces
-from ..analysis.sensitivity import DEFAULT_ORACLE_EPS
+from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, ERROR_BOUND
 from ..capture_store import corpus_capture
 from ..plots.retention import plot_retention
 from ..rules_summary import standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..termination import ARTConfig
 from . import build_parser
-from .figures import ERROR_BOUND, draw_benchmark_figures, draw_figures, print_studies, run_studies
+from .figures import draw_benchmark_figures, draw_figures, print_studies, run_studies
 from .report import render_report
 
 TEXTS = ("stdlib", "docs")
