@@ -277,3 +277,24 @@ def test_reproduce_quick_writes_every_expected_file(tmp_path, capsys):
         "sequential", "recency", "sink_recency", "importance"}
     assert render_report(results) == report                      # the report re-renders from the JSON
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_reproduce_quick_on_the_model_runs_the_whole_pipeline(loaded, monkeypatch, tmp_path):
+    from art_analysis import models
+
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    out = tmp_path / "figures"
+    assert main(["reproduce", "--quick", "--context", "512", "--captures", str(tmp_path / "captures"),
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "reproduce.json").read_text())
+    assert (results["main_source"], results["second_source"]) == ("smollm2-stdlib", "smollm2-docs")
+    assert sorted(p.name for p in (tmp_path / "captures").iterdir()) == [
+        "smollm2-docs-s0-c512-d4", "smollm2-stdlib-s0-c512-d4-p0_15_29"]
+    retention = pd.DataFrame(results["retention"])
+    assert set(retention["task"]) == {"passkey", "niah"} and set(retention["order"]) == {"sink_recency", "importance"}
+    dense = retention[retention["rule"] == "dense"]
+    assert (dense["token_agreement"] == 1).all() and (dense["kl_max"] == 0).all()
+    assert (out / "retention.png").exists() and (out / "retention.pdf").exists()
+    layers = {row["layer"] for row in results["studies"]["misalignment_rates"]}
+    assert layers == set(range(loaded.config.num_hidden_layers))
+    assert "## Retention: retrieval with the rule inside decoding" in (out / "REPORT.md").read_text()

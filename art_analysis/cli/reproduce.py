@@ -37,7 +37,7 @@ from .figures import draw_benchmark_figures, draw_figures, print_studies, run_st
 from .report import render_report
 
 TEXTS = ("stdlib", "docs")
-RETENTION_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+RETENTION_DEPTHS = (0.1, 0.35, 0.65, 0.9)
 QUICK_RETENTION_DEPTHS = (0.25, 0.75)
 RETENTION_NEW_TOKENS = 10
 RETENTION_ORDERS = ("sink_recency", "importance")

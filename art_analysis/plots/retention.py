@@ -18,7 +18,9 @@ def plot_retention(table: pd.DataFrame, path: str | Path, title: str = "Retrieva
     """One panel per task and walk order: accuracy and token agreement (bars) and the loaded
     fraction (black dots) per rule, the mean teacher-forced KL against dense in the tick labels."""
     panels = list(table.groupby(["task", "order"], sort=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    columns = min(2, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.2 * rows), squeeze=False)
     for ax, ((task, order), group) in zip(axes.flat, panels):
         x = np.arange(len(group))
         ax.bar(x - 0.2, group["accuracy"], 0.4, label="answer found", color="tab:blue")
@@ -30,6 +32,8 @@ def plot_retention(table: pd.DataFrame, path: str | Path, title: str = "Retrieva
         ax.set_title(f"{task}, {order} walk ({int(group['prompts'].iloc[0])} prompts)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path)

@@ -18,10 +18,11 @@ def page_key_bounds(inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor
 
     Pages without a valid token get zeros (they are never selected).
     """
-    keys = inputs.to_blocks(inputs.k.to(torch.float64))
-    valid = inputs.valid_block_tokens[:, None, :, :, None]
-    key_min = keys.masked_fill(~valid, float("inf")).amin(3)
-    key_max = keys.masked_fill(~valid, float("-inf")).amax(3)
+    # Min and max are exact in the cache's own dtype: widen only the [B, Hkv, nb, D] results.
+    keys = inputs.to_blocks(inputs.k)
+    invalid = ~inputs.valid_block_tokens[:, None, :, :, None]
+    key_min = keys.masked_fill(invalid, float("inf")).amin(3).to(torch.float64)
+    key_max = keys.masked_fill(invalid, float("-inf")).amax(3).to(torch.float64)
     empty = ~inputs.valid_blocks[:, None, :, None]
     return key_min.masked_fill(empty, 0.0), key_max.masked_fill(empty, 0.0)
 
