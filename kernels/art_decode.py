@@ -1,4 +1,4 @@
-"""ART flash-decoding: the launcher of ``art_decode_split_kernel`` and its split-K combine.
+"""ART flash-decoding: the launcher of ``art_decode_split_kernel`` (one launch, split-K combine included).
 
 ``art_decode(q, k_cache, v_cache, ...)`` computes decode attention for one new token per
 sequence over a contiguous (``[B, Hkv, S, D]``) or paged (``[num_pages, page_size, Hkv, D]`` +
@@ -50,6 +50,23 @@ leader scheme over one wave of programs.  A stopped program still completes the 
 its current chunk of ``ART_CHUNK`` steps (they are in flight in the software pipeline and
 are discarded), then issues no more.
 
+**One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
+increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
+``acq_rel`` atomic: the program's partial stores are released before the increment); the
+program that arrives last (the atomic returned ``num_splits - 1``) acquired every other
+program's partial with that atomic, merges the group's query heads
+(``art_decode_combine.combine_group``: the leader alone when the converged flag is set, else
+every split; empty splits weigh 0) and writes the counter and the converged flag back to 0.
+So no second launch and no per-call memset: the counters and flags live in one int32 buffer
+per device and pair count (:func:`_arrival_counters`), zero-initialised once, with the
+invariant *zero between launches*.  A launch either runs every program (each counter reaches
+``num_splits`` and is reset) or faults, and a fault is sticky for the CUDA context, which
+takes the buffers with it; a call that raises does so before the launch.  Calls of one
+pair count issued on different streams share the buffer and must not overlap in time.  With
+one split the program writes ``out`` and ``lse`` itself and touches no counter.  Measured on
+the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 ms against
+0.0509 ms for the former two launches (cuDNN SDPA 0.0497 ms); unchanged at B >= 8.
+
 **Dense defaults** (``art=None``): the split count comes from the real lengths
 (``max(cache_seqlens)``, one device sync when lengths are given): enough programs for
 ``TARGET_PROGRAMS_PER_SM`` per multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per
@@ -76,7 +93,6 @@ from functools import cache
 import torch
 import triton
 
-from .art_decode_combine import art_decode_combine_kernel
 from .art_decode_kernel import art_decode_split_kernel
 from .art_params import ARTParams
 
@@ -94,7 +110,7 @@ WAVE_FILL = 0.75
 ART_SINGLE_SPLIT_PROGRAMS = 8
 ART_MIN_LEADER_STEPS = 32
 ART_CHUNK = 16
-COMBINE_CHUNK = 16
+COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -164,11 +180,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     steps = _scratch((batch, kv_heads, num_splits), torch.int32, q.device)
     single = num_splits == 1
     if single:
-        part_out, part_lse, flag = out, lse, steps
+        part_out, part_lse, flag, arrivals = out, lse, steps, steps
     else:
         part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
-        flag = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device) if art is not None else steps
+        arrivals, flag = _arrival_counters(q.device, batch * kv_heads).unbind(0)
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else seqlens
     if paged:
@@ -178,9 +194,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_warps, num_stages = _launch_config(q.device)
+    block_g = triton.next_power_of_2(group)
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_cache, v_cache, table, seqlens,
-        out, lse, part_out, part_lse, steps, flag,
+        out, lse, part_out, part_lse, steps, flag, arrivals,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, k_cache.shape[1] if paged else 1,
@@ -192,12 +209,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
         USE_SCALE=monitor.use_scale, USE_DIRECTION=monitor.use_direction, ART_CHUNK=ART_CHUNK,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
+        COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         num_warps=num_warps, num_stages=num_stages)
-    if not single:
-        art_decode_combine_kernel[(batch * q_heads,)](
-            part_out, part_lse, flag, out, lse, q_heads, num_splits, out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            CHUNK_S=COMBINE_CHUNK, USE_FLAG=art is not None, num_warps=4)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
@@ -245,6 +259,27 @@ def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: 
 def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Uninitialised kernel output (every element is written by the kernels)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_ARRIVAL_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """``[2, pairs]`` int32, zero between launches: per ``(b, kv_head)`` the arrival counter and the
+    converged flag of the multi-split kernel (module docstring, *one launch*).
+
+    Allocated once per device and pair count and kept for the process: every launch leaves
+    them at zero.  A first call for a shape inside a CUDA-graph capture gets a buffer of its
+    own, zeroed by a memset node of the graph, and does not cache it (the memset has not run
+    when the capture ends, so eager calls could not use that buffer).
+    """
+    key = (device, pairs)
+    counters = _ARRIVAL_COUNTERS.get(key)
+    if counters is None:
+        counters = torch.zeros((2, pairs), dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ARRIVAL_COUNTERS[key] = counters
+    return counters
 
 
 @cache

@@ -29,14 +29,20 @@ poll that flag between chunks and stop too; the combine then ignores them (see
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
 ``part_out [B, Hq, splits, D]`` and ``part_lse [B, Hq, splits]`` (fp32; ``-inf`` and zeros for
-an empty range).  Every program writes ``steps [B, Hkv, splits]`` (int32): the steps whose
-blocks entered its state (the leader's stop step + 1 when it stopped); the blocks it loaded
-are those rounded up to whole chunks (``kernels.art_decode.blocks_loaded``).
+an empty range) and increments the ``(b, kv_head)``'s arrival counter (``arrivals [B * Hkv]``,
+zero on entry); the program that arrives last merges the group's partials into ``out`` and
+``lse`` (``kernels.art_decode_combine.combine_group``) and resets the counter and the
+converged flag to 0 (``kernels.art_decode``, *one launch*).  Every program writes
+``steps [B, Hkv, splits]`` (int32): the steps whose blocks entered its state (the leader's
+stop step + 1 when it stopped); the blocks it loaded are those rounded up to whole chunks
+(``kernels.art_decode.blocks_loaded``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .art_decode_combine import combine_group
 
 
 @triton.jit
@@ -122,7 +128,7 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
 @triton.jit
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr, arrivals_ptr,
         sm_scale, tau, phi, patience, first_counted,
         num_kv_heads, num_splits, page_size,
         stride_qb, stride_qh,
@@ -132,7 +138,7 @@ def art_decode_split_kernel(
         PAGED: tl.constexpr, SINK_RECENCY: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr):
     """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -234,3 +240,19 @@ def art_decode_split_kernel(
         part_rows = (b.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
         tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
+        # Arrival: every thread's partial stores are ordered before the counter increment (CTA
+        # barrier, then a gpu-scope release); the program that arrives last acquires the others'
+        # partials through the same atomic, merges the group and puts the counter (and the
+        # converged flag) back to 0 for the next launch.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            kept_splits = num_splits
+            if ART:
+                converged = tl.load(flag_ptr + bh, volatile=True)
+                kept_splits = tl.where(converged == 0, num_splits, 1)
+                tl.store(flag_ptr + bh, 0)
+            combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
+                          num_kv_heads, num_splits, stride_ob, stride_oh,
+                          GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+            tl.store(arrivals_ptr + bh, 0)

@@ -246,6 +246,43 @@ def test_ragged_lengths_and_shuffled_pages(art):
             assert torch.equal(a, b)
 
 
+def arrival_counters_all_zero():
+    return all(bool((c == 0).all()) for c in art_decode_module._ARRIVAL_COUNTERS.values())
+
+
+def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
+    # 8 splits of 64-token blocks: length 1 fills split 0 only, 130 splits 0-2, 700 splits 0-5
+    lengths = torch.tensor([1, 130, 700], dtype=torch.int32)
+    q, k, v = synthetic_inputs(3, 6, 2, 700, 64, torch.float32, CPU, seed=17)
+    out, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, num_splits=8, block_size=64, return_lse=True,
+                                 return_stats=True)
+    assert steps[0, 0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0] and steps[2, 0].tolist() == [2] * 5 + [1, 0, 0]
+    assert_within_flash_oracle(out, q, k, v, lengths)
+    single, single_lse = art_decode(q, k, v, cache_seqlens=lengths, num_splits=1, block_size=64, return_lse=True)
+    torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, single_lse, rtol=1e-5, atol=1e-5)
+    assert arrival_counters_all_zero()
+    again = art_decode(q, k, v, cache_seqlens=lengths, num_splits=8, block_size=64, return_lse=True,
+                       return_stats=True)
+    for a, b in zip(again, (out, lse, steps)):
+        assert torch.equal(a, b)
+    assert arrival_counters_all_zero()
+
+
+def test_converged_flag_is_cleared_for_the_next_call():
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # the leader stops for some pairs
+    config = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    _, steps = art_decode(q, k, v, art=config, num_splits=2, return_stats=True)
+    assert (steps[..., 0] < 12).any()
+    assert arrival_counters_all_zero()
+    dense = art_decode(q, k, v, num_splits=2, block_size=64, return_lse=True, return_stats=True)
+    never = art_decode(q, k, v, art=ARTParams(tau=0.0, phi=0.0), num_splits=2, return_lse=True, return_stats=True)
+    for a, b in zip(dense, never):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes, bf16
 
 def _cuda():
