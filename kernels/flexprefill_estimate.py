@@ -1,13 +1,16 @@
-"""On-device FlexPrefill estimation: representative attention in Triton, selection in batched torch.
+"""On-device FlexPrefill estimation: representative attention, vertical-slash selection and the
+pattern search in Triton; the query-aware search in batched torch.
 
-No loop over heads, ``torch.unique`` or histograms: every decision is a batched tensor operation
-over ``[B, Hq, ...]``.  One host synchronisation reads which heads the pattern search made
-query-aware, so that the query-aware search (an ``nb x nb`` map per head, sorted whole:
-the dominant cost at long lengths) runs for those heads only; most heads of real models are
+Up to the pattern decision a call is a fixed sequence of about ten launches (row statistics,
+their log-sum-exp, line sums, one sort of the lines, the fused vertical-slash selection, key
+block means, the JS pattern search, the vertical-slash mask), with no host synchronisation:
+the host launch cost, not the GPU work, bounded the calls at 32k tokens.  One synchronisation
+then reads which heads the pattern search made query-aware, so that the query-aware search (an
+``nb x nb`` map per head, sorted whole) runs for those heads only; most heads of real models are
 vertical-slash.  It implements the rules of ``art_analysis.flexprefill.select_blocks`` (the
 readable reference the tests hold it to; see that module for the algorithm and for the upstream
 quirk flags): the block masks are identical except where a coverage sum lands within float
-rounding of ``gamma``, since sums are taken in another order (two-level scans on long rows).
+rounding of ``gamma``, since sums are taken in another order (tiled scans on long rows).
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.flexprefill_estimate_kernel import (block_means_kernel, representative_line_sums_kernel,
-                                                 representative_row_stats_kernel)
+from kernels.flexprefill_estimate_kernel import (block_means_kernel, js_pattern_kernel, query_aware_rows_kernel,
+                                                 representative_line_sums_kernel, representative_row_stats_kernel,
+                                                 row_lse_kernel, vertical_slash_mask_kernel,
+                                                 vertical_slash_select_kernel)
 from kernels.prefill_checks import check_prefill_inputs, check_selection_params
 
 
@@ -70,8 +75,8 @@ def _keys_per_program(n: int, heads: int, block_n: int, keys_per_program: int | 
 
 def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, sm_scale: float,
                          keys_per_program: int | None = None) -> torch.Tensor:
-    """``[B, Hq, 2, N]`` float32: vertical (column) and slash (distance) sums of the last
-    ``min(block_size, N)`` queries' causal softmax, divided by the row count."""
+    """``[B, Hq, 2, N]`` float32 (contiguous): vertical (column) and slash (distance) sums of the
+    last ``min(block_size, N)`` queries' causal softmax, divided by the row count."""
     b, hq, n, d = q.shape
     rows = min(block_size, n)
     row_tile, block_n, split, num_warps = _launch_config(rows, d)
@@ -86,25 +91,16 @@ def representative_lines(q: torch.Tensor, k: torch.Tensor, *, block_size: int, s
     row_sum = torch.empty_like(row_max)
     representative_row_stats_kernel[grid](q, k, row_max, row_sum, *shared, *row_max.stride(),
                                           HEAD_DIM=d, ROWS=row_tile, BLOCK_N=2 * block_n, num_warps=num_warps)
-    top = row_max.amax(dim=2)
-    lse2 = (top + torch.log2((row_sum * torch.exp2(row_max - top[:, :, None])).sum(dim=2))).contiguous()
+    lse2 = torch.empty(b, hq, rows, dtype=torch.float32, device=q.device)
+    row_lse_kernel[(b * hq,)](row_max, row_sum, lse2, chunks, rows, math.log2(rows), *row_max.stride(),
+                              *lse2.stride(), hq, ROWS=row_tile, CHUNKS=max(1, 4096 // row_tile))
 
-    lines = torch.empty(2, b, hq, n, dtype=torch.float32, device=q.device)
-    lines[1].zero_()
-    representative_line_sums_kernel[grid](q, k, lse2, lines[0], lines[1], *shared, *lse2.stride(),
-                                          *lines[0].stride(), HEAD_DIM=d, ROWS=row_tile, BLOCK_N=block_n,
+    lines = torch.empty(b, hq, 2, n, dtype=torch.float32, device=q.device)
+    lines[:, :, 1].zero_()
+    representative_line_sums_kernel[grid](q, k, lse2, lines[:, :, 0], lines[:, :, 1], *shared, *lse2.stride(),
+                                          *lines[:, :, 0].stride(), HEAD_DIM=d, ROWS=row_tile, BLOCK_N=block_n,
                                           SPLIT=split, num_warps=num_warps)
-    return lines.permute(1, 2, 0, 3) / rows
-
-
-def _pool(x: torch.Tensor, block_size: int, dim: int) -> torch.Tensor:
-    """Sum over consecutive ``block_size`` entries of ``dim`` (zero-padded), accumulated in float32."""
-    n = x.shape[dim]
-    nb = -(-n // block_size)
-    if nb * block_size != n:
-        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, nb * block_size - n]
-        x = torch.nn.functional.pad(x, pad)
-    return x.unflatten(dim, (nb, block_size)).sum(dim=dim % x.dim() + 1, dtype=torch.float32)
+    return lines
 
 
 def _token_means(x: torch.Tensor, block_size: int, heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,73 +148,71 @@ def _coverage(mass: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Ten
     return count, ordered.gather(-1, count[..., None] - 1)
 
 
-def _grouped_logits(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``rows [B, Hq, M, D]`` x ``keys [B, Hkv, C, D]`` -> ``[B, Hq, M, C]``."""
-    b, hq, m, d = rows.shape
-    return (rows.view(b, keys.shape[1], -1, d) @ keys.transpose(-1, -2)).view(b, hq, m, keys.shape[2])
-
-
 def vertical_slash_blocks(lines: torch.Tensor, *, gamma: float, block_size: int, lowest: int, highest: int,
                           divisor: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Vertical-slash tiles from ``lines [B, Hq, 2, N]``.
+    """Budgets and kept blocks of the vertical-slash pattern from ``lines [B, Hq, 2, N]`` (contiguous).
 
-    Returns the mask ``[B, Hq, nb, nb]`` (not yet causal), the budgets ``[B, Hq, 2]`` (blocks)
-    and the block-pooled lines ``[B, Hq, 2, nb]``.
+    Returns the kept columns and diagonals ``[B, Hq, 2, nb]`` int8, the budgets ``[B, Hq, 2]``
+    (blocks) and the block-pooled lines ``[B, Hq, 2, nb]``.
     """
-    tokens, _ = _coverage(lines, gamma)
-    budgets = torch.div(tokens + divisor - 1, divisor, rounding_mode="floor").clamp(lowest, highest)
-    pooled = _pool(lines, block_size, 3)
-    kth = pooled.sort(dim=-1, descending=True).values.gather(-1, budgets[..., None] - 1)
-    kept = _largest(pooled, budgets, kth)
-    return kept[:, :, 0, None, :] | _diagonals(kept[:, :, 1]), budgets, pooled
-
-
-def _diagonals(offsets: torch.Tensor) -> torch.Tensor:
-    """``offsets [B, H, nb]`` bool -> ``[B, H, nb, nb]`` with ``out[r, c] = offsets[r - c]`` for
-    ``c <= r`` and False above the diagonal (a Toeplitz view of the reversed, zero-padded vector)."""
-    b, h, nb = offsets.shape
-    padded = torch.cat((offsets.flip(-1), offsets.new_zeros(b, h, nb)), dim=-1).contiguous()
-    toeplitz = padded.as_strided((b, h, nb, nb), (h * 2 * nb, 2 * nb, 1, 1))
-    return toeplitz.flip(-2)
+    b, hq, _, n = lines.shape
+    nb = -(-n // block_size)
+    ordered = lines.sort(dim=-1, descending=True).values
+    pooled = torch.empty(b, hq, 2, nb, dtype=torch.float32, device=lines.device)
+    kept = torch.empty(b, hq, 2, nb, dtype=torch.int8, device=lines.device)
+    budgets = torch.empty(b, hq, 2, dtype=torch.long, device=lines.device)
+    block_tokens = triton.next_power_of_2(block_size)
+    flat = lines.view(-1, n)
+    vertical_slash_select_kernel[(b * hq * 2,)](
+        flat, ordered.view(-1, n), pooled.view(-1, nb), kept.view(-1, nb), budgets.view(-1), n, nb, block_size,
+        gamma, divisor, lowest, highest, *flat.stride(), *ordered.view(-1, n).stride(), *pooled.view(-1, nb).stride(),
+        *kept.view(-1, nb).stride(), 1, TILE=min(4096, max(16, triton.next_power_of_2(n))),
+        BLOCKS=max(1, 4096 // block_tokens), BLOCK_TOKENS=block_tokens, NB=max(16, triton.next_power_of_2(nb)),
+        num_warps=8)
+    return kept, budgets, pooled
 
 
 def js_pattern_distance(q: torch.Tensor, key_means: torch.Tensor, truth: torch.Tensor, *, rows: int, scale: float,
-                        js_eps: float | None) -> torch.Tensor:
-    """``[B, Hq]`` JS distance between ``softmax(mean(last rows of q) . key_means^T)`` and ``truth [B, Hq, nb]``."""
-    recent_mean = q[:, :, q.shape[2] - rows:].mean(dim=2, keepdim=True, dtype=torch.float32)
-    estimate = torch.softmax(_grouped_logits(recent_mean, key_means)[:, :, 0] * scale, dim=-1)
-    middle = 0.5 * (estimate + truth)
-    if js_eps is None:
-        divergence = (estimate * torch.log(estimate / middle) + truth * torch.log(truth / middle)).sum(dim=-1)
-    else:
-        log_middle = torch.log(middle + js_eps)
-        divergence = (estimate * (torch.log(estimate + js_eps) - log_middle)
-                      + truth * (torch.log(truth + js_eps) - log_middle)).sum(dim=-1)
-    return torch.sqrt((0.5 * divergence).clamp(min=0.0))
+                        tau: float, js_eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """JS distance ``[B, Hq]`` between ``softmax(mean(last rows of q) . key_means^T * scale)`` and
+    ``truth [B, Hq, nb]``, and the pattern ``[B, Hq]`` long (1 = query-aware: distance < tau)."""
+    b, hq, n, d = q.shape
+    nb = key_means.shape[2]
+    js = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    pattern = torch.empty(b, hq, dtype=torch.long, device=q.device)
+    js_pattern_kernel[(b * hq,)](q, key_means, truth, js, pattern, n, rows, nb, hq, hq // key_means.shape[1], scale,
+                                 tau, 0.0 if js_eps is None else js_eps, *q.stride(), *key_means.stride(),
+                                 *truth.stride(), HEAD_DIM=d, ROW_TILE=32, BLOCK_TILE=max(16, 8192 // d),
+                                 USE_EPS=js_eps is not None)
+    return js, pattern
+
+
+def vertical_slash_mask(kept: torch.Tensor) -> torch.Tensor:
+    """``[B, Hq, nb, nb]`` bool: kept columns and diagonals (``kept [B, Hq, 2, nb]``) spread over
+    the rows, plus block 0 and the diagonal block, block-causal."""
+    b, hq, _, nb = kept.shape
+    mask = torch.empty(b, hq, nb, nb, dtype=torch.bool, device=kept.device)
+    bytes_ = mask.view(torch.uint8)
+    vertical_slash_mask_kernel[(nb, b * hq)](kept, bytes_, nb, hq, *kept.stride(), *bytes_.stride(),
+                                             TILE=min(1024, max(16, triton.next_power_of_2(nb))))
+    return mask
 
 
 def query_aware_blocks(query_means: torch.Tensor, key_means: torch.Tensor, *, gamma: float, scale: float,
                        lowest: int, highest: int) -> torch.Tensor:
-    """Query-aware tiles ``[B, Hq, nb, nb]`` (causal) from block-mean queries ``[B, Hq, nb, D]``
-    and keys ``[B, Hkv, nb, D]``."""
-    nb = key_means.shape[2]
-    blocks = torch.arange(nb, device=key_means.device)
-    causal = blocks[None, :] <= blocks[:, None]
-    pooled = torch.softmax((_grouped_logits(query_means, key_means) * scale)
-                           .masked_fill(~causal, float("-inf")), dim=-1)
+    """Query-aware tiles ``[B, Hq, nb, nb]`` (block-causal, with block 0 and the diagonal block)
+    from block-mean queries ``[B, Hq, nb, D]`` and keys ``[B, Hkv, nb, D]`` (float32)."""
+    b, hq, nb, d = query_means.shape
+    pooled = torch.empty(b, hq, nb, nb, dtype=torch.float32, device=query_means.device)
+    limits = torch.empty(2, b, hq, nb, nb, dtype=torch.bool, device=query_means.device)
+    limit_bytes = limits.view(torch.uint8)
+    query_aware_rows_kernel[(nb, b * hq)](
+        query_means, key_means, pooled, limit_bytes, nb, hq, hq // key_means.shape[1], scale, lowest, highest,
+        *query_means.stride(), *key_means.stride(), *pooled.stride(), limit_bytes.stride(0), HEAD_DIM=d,
+        BLOCK_TILE=max(16, min(triton.next_power_of_2(nb), 8192 // d)), NB=max(16, triton.next_power_of_2(nb)))
     flat = pooled.flatten(-2)
     flat = flat / flat.sum(dim=-1, keepdim=True)
-    chosen = _largest(flat, *_coverage(flat, gamma)).view_as(pooled)
-
-    def row_best(count: int) -> torch.Tensor:
-        counts = torch.full(pooled.shape[:-1], count, dtype=torch.long, device=pooled.device)
-        return _largest(pooled, counts, pooled.topk(count, dim=-1).values[..., -1:])
-
-    if highest < nb:
-        chosen = chosen & row_best(highest)
-    if lowest > 0:
-        chosen = chosen | row_best(lowest)
-    return chosen & causal
+    return (_largest(flat, *_coverage(flat, gamma)).view_as(pooled) & limits[0]) | limits[1]
 
 
 def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: float = 0.1,
@@ -241,25 +235,18 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     highest = nb if max_budget is None else min(-(-max_budget // block_size), nb)
 
     lines = representative_lines(q, k, block_size=block_size, sm_scale=scale, keys_per_program=keys_per_program)
-    vertical_slash, budgets, pooled_lines = vertical_slash_blocks(
+    kept, budgets, pooled_lines = vertical_slash_blocks(
         lines, gamma=gamma, block_size=block_size, lowest=lowest, highest=highest,
         divisor=block_size if budget_divisor is None else budget_divisor)
     key_means = _token_means(k, block_size)
-    js = js_pattern_distance(q, key_means, pooled_lines[:, :, 0], rows=min(block_size, n), scale=scale,
-                             js_eps=js_eps)
-    query_aware = js < tau
-    blocks = torch.arange(nb, device=q.device)
-    forced = (blocks[None, :] == 0) | (blocks[None, :] == blocks[:, None])
-    causal = blocks[None, :] <= blocks[:, None]
-    mask = (vertical_slash | forced) & causal
-    aware_heads = query_aware.flatten().nonzero().squeeze(1)
+    js, pattern = js_pattern_distance(q, key_means, pooled_lines[:, :, 0], rows=min(block_size, n), scale=scale,
+                                      tau=tau, js_eps=js_eps)
+    mask = vertical_slash_mask(kept)
+    aware_heads = pattern.flatten().nonzero().squeeze(1)  # the one host synchronisation
     if aware_heads.numel():
         b_idx, h_idx = aware_heads // q.shape[1], aware_heads % q.shape[1]
         group = q.shape[1] // k.shape[1]
         aware = query_aware_blocks(_token_means(q, block_size, aware_heads), key_means[b_idx, h_idx // group][None],
                                    gamma=gamma, scale=scale, lowest=lowest, highest=highest)[0]
-        if union_vs_for_query_aware:
-            aware = aware | vertical_slash[b_idx, h_idx]
-        mask[b_idx, h_idx] = (aware | forced) & causal
-    return FlexPrefillEstimate(block_mask=mask, pattern=query_aware.long(), js_distance=js, budgets=budgets,
-                               lines=lines)
+        mask[b_idx, h_idx] = aware | mask[b_idx, h_idx] if union_vs_for_query_aware else aware
+    return FlexPrefillEstimate(block_mask=mask, pattern=pattern, js_distance=js, budgets=budgets, lines=lines)

@@ -21,6 +21,10 @@ Grid of both: ``(group, ceil(N / keys_per_program), B * Hkv)``: the query heads 
 KV head and read the same key chunk are launched next to each other, so K is read from L2.
 Addresses: int64 bases per head and tile, int32 offsets inside a tile.  The readable
 reference is ``art_analysis.flexprefill.representative_attention``.
+
+The selection that follows is fused into a few small kernels (:func:`row_lse_kernel`,
+:func:`vertical_slash_select_kernel`, :func:`js_pattern_kernel`,
+:func:`vertical_slash_mask_kernel`), one launch each, with thresholds passed at run time.
 """
 import triton
 import triton.language as tl
@@ -173,3 +177,226 @@ def block_means_kernel(X, HEADS, OUT, seqlen, block_size, num_heads,
                     mask=(offs_n < last)[:, None], other=0.0)
         total += tl.sum(x.to(tl.float32), 0)
     tl.store(OUT + pid_s * stride_os + block * stride_ob + offs_d * stride_od, total / (last - first).to(tl.float32))
+
+
+@triton.jit
+def row_lse_kernel(MAX, SUM, LSE2, num_chunks, rows, log2_rows,
+                   stride_sb, stride_sh, stride_sc, stride_sr, stride_lb, stride_lh, stride_lr, num_heads,
+                   ROWS: tl.constexpr, CHUNKS: tl.constexpr):
+    """LSE2 ``[B, Hq, R]``: the chunks' running max and sum (``[B, Hq, num_chunks, R]``) combined
+    into a base-2 log-sum-exp, plus ``log2_rows`` (so the probabilities come out divided by R).
+    Grid ``(B * Hq,)``; ``CHUNKS`` chunks a step."""
+    pid = tl.program_id(0)
+    b = (pid // num_heads).to(tl.int64)
+    h = (pid % num_heads).to(tl.int64)
+    offs_r = tl.arange(0, ROWS)
+    row_ok = offs_r < rows
+    base = b * stride_sb + h * stride_sh + offs_r[None, :] * stride_sr
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    for start in range(0, num_chunks, CHUNKS):
+        offs_c = start + tl.arange(0, CHUNKS)
+        ok = (offs_c < num_chunks)[:, None] & row_ok[None, :]
+        offs = base + offs_c[:, None].to(tl.int64) * stride_sc
+        chunk_max = tl.load(MAX + offs, mask=ok, other=float("-inf"))
+        chunk_sum = tl.load(SUM + offs, mask=ok, other=0.0)
+        m_new = tl.maximum(m_i, tl.max(chunk_max, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.sum(chunk_sum * tl.math.exp2(chunk_max - m_safe[None, :]), 0)
+        m_i = m_new
+    lse2 = m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0)) + log2_rows
+    tl.store(LSE2 + b * stride_lb + h * stride_lh + offs_r * stride_lr, lse2, mask=row_ok)
+
+
+@triton.jit
+def _largest(bits, count):
+    """Bool: the ``count`` largest entries of ``bits`` (the int32 bit patterns of non-negative
+    floats, which order as the floats; -1 = absent), ties lowest index first."""
+    lo = 0
+    hi = 0x7F800000
+    for _ in range(31):  # largest pattern u with #(bits >= u) >= count: the count-th largest value
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((bits >= mid).to(tl.int32), 0) >= count
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = bits > lo
+    ties = bits == lo
+    need = count - tl.sum(above.to(tl.int32), 0)
+    return (above | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= need))) & (count > 0)
+
+
+@triton.jit
+def vertical_slash_select_kernel(LINES, SORTED, POOLED, KEPT, BUDGETS, seqlen, num_blocks, block_size, gamma,
+                                 divisor, lowest, highest,
+                                 stride_ll, stride_ln, stride_sl, stride_sn, stride_pl, stride_pn,
+                                 stride_kl, stride_kn, stride_bl,
+                                 TILE: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                                 NB: tl.constexpr):
+    """Budget and kept blocks of one normalised line (program ``l`` of the ``B * Hq * 2`` lines).
+
+    ``SORTED``: the lines sorted descending; the token budget is the fewest entries whose running
+    sum reaches ``gamma`` (capped at N), in blocks ``clamp(ceil(tokens / divisor), lowest, highest)``
+    -> ``BUDGETS [l]`` (int64).  ``POOLED [l, nb]``: block sums of ``LINES``.  ``KEPT [l, nb]``
+    (int8): the budget's largest pooled entries, ties lowest index first.  ``BLOCKS`` blocks of
+    ``BLOCK_TOKENS`` (>= block_size) are pooled a step; ``NB`` >= nb holds the pooled line.
+    """
+    line = tl.program_id(0).to(tl.int64)
+    sorted_base = SORTED + line * stride_sl
+    offs = tl.arange(0, TILE)
+    carry = 0.0
+    below = 0
+    for start in range(0, seqlen, TILE):
+        idx = start + offs
+        ok = idx < seqlen
+        running = carry + tl.cumsum(tl.load(sorted_base + idx * stride_sn, mask=ok, other=0.0), 0)
+        below += tl.sum(((running < gamma) & ok).to(tl.int32), 0)
+        carry = tl.max(tl.where(ok, running, 0.0), 0)
+    tokens = tl.minimum(below + 1, seqlen)
+    budget = tl.minimum(tl.maximum((tokens + divisor - 1) // divisor, lowest), highest)
+    tl.store(BUDGETS + line * stride_bl, budget.to(tl.int64))
+
+    pooled_base = POOLED + line * stride_pl
+    offs_b = tl.arange(0, BLOCKS)
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    for first in range(0, num_blocks, BLOCKS):
+        blocks = first + offs_b
+        tokens_at = blocks[:, None].to(tl.int64) * block_size + offs_t[None, :]
+        ok = (offs_t[None, :] < block_size) & (tokens_at < seqlen)
+        values = tl.load(LINES + line * stride_ll + tokens_at * stride_ln, mask=ok, other=0.0)
+        tl.store(pooled_base + blocks * stride_pn, tl.sum(values, 1), mask=blocks < num_blocks)
+    tl.debug_barrier()
+
+    offs_nb = tl.arange(0, NB)
+    valid = offs_nb < num_blocks
+    pooled = tl.load(pooled_base + offs_nb * stride_pn, mask=valid, other=0.0)
+    kept = _largest(tl.where(valid, pooled.to(tl.int32, bitcast=True), -1), budget)
+    tl.store(KEPT + line * stride_kl + offs_nb * stride_kn, kept.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def _block_logits(key_base, query, blocks, ok, scale, stride_kn, stride_kd, HEAD_DIM: tl.constexpr):
+    """``query [D] . key_base[blocks] [T, D]^T * scale``; ``-inf`` where not ``ok``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = tl.load(key_base + blocks[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+    return tl.where(ok, tl.sum(keys * query[None, :], 1) * scale, float("-inf"))
+
+
+@triton.jit
+def js_pattern_kernel(Q, KEY_MEANS, TRUTH, JS, PATTERN, seqlen, rows, num_blocks, num_heads, group, scale, tau,
+                      js_eps, stride_qb, stride_qh, stride_qn, stride_qd, stride_mb, stride_mh, stride_mn, stride_md,
+                      stride_tb, stride_th, stride_tn,
+                      HEAD_DIM: tl.constexpr, ROW_TILE: tl.constexpr, BLOCK_TILE: tl.constexpr,
+                      USE_EPS: tl.constexpr):
+    """Pattern search of one query head (grid ``(B * Hq,)``): ``JS`` = the JS distance between
+    ``softmax(mean of the last rows of Q . KEY_MEANS^T * scale)`` and ``TRUTH`` (the pooled
+    vertical line, ``[B, Hq, nb]``), ``PATTERN`` (int64) = ``JS < tau``.  Without ``USE_EPS`` a zero
+    entry gives NaN, as upstream."""
+    pid = tl.program_id(0)
+    b = (pid // num_heads).to(tl.int64)
+    h = (pid % num_heads).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + b * stride_qb + h * stride_qh
+    total = tl.zeros([HEAD_DIM], tl.float32)
+    for start in range(seqlen - rows, seqlen, ROW_TILE):
+        offs_n = start + tl.arange(0, ROW_TILE)
+        x = tl.load(q_base + offs_n[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd,
+                    mask=(offs_n < seqlen)[:, None], other=0.0)
+        total += tl.sum(x.to(tl.float32), 0)
+    recent = total / rows
+    means_base = KEY_MEANS + b * stride_mb + (h // group) * stride_mh
+    truth_base = TRUTH + b * stride_tb + h * stride_th
+    offs_c = tl.arange(0, BLOCK_TILE)
+    m_i = float("-inf")
+    l_i = 0.0
+    for first in range(0, num_blocks, BLOCK_TILE):
+        blocks = first + offs_c
+        logits = _block_logits(means_base, recent, blocks, blocks < num_blocks, scale, stride_mn, stride_md, HEAD_DIM)
+        m_new = tl.maximum(m_i, tl.max(logits, 0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new), 0)
+        m_i = m_new
+    divergence = 0.0
+    for first in range(0, num_blocks, BLOCK_TILE):
+        blocks = first + offs_c
+        ok = blocks < num_blocks
+        logits = _block_logits(means_base, recent, blocks, ok, scale, stride_mn, stride_md, HEAD_DIM)
+        estimate = tl.exp(logits - m_i) / l_i
+        truth = tl.load(truth_base + blocks * stride_tn, mask=ok, other=0.0)
+        middle = 0.5 * (estimate + truth)
+        if USE_EPS:
+            log_middle = tl.log(middle + js_eps)
+            terms = estimate * (tl.log(estimate + js_eps) - log_middle) + truth * (tl.log(truth + js_eps) - log_middle)
+        else:
+            terms = estimate * tl.log(estimate / middle) + truth * tl.log(truth / middle)
+        divergence += tl.sum(tl.where(ok, terms, 0.0), 0)
+    js = tl.sqrt(tl.maximum(0.5 * divergence, 0.0))
+    tl.store(JS + pid, js)
+    tl.store(PATTERN + pid, (js < tau).to(tl.int64))
+
+
+@triton.jit
+def vertical_slash_mask_kernel(KEPT, MASK, num_blocks, num_heads,
+                               stride_kb, stride_kh, stride_kl, stride_kn,
+                               stride_mb, stride_mh, stride_mr, stride_mc,
+                               TILE: tl.constexpr):
+    """Row ``r`` (``program_id(0)``) of a vertical-slash mask: ``MASK[r, c]`` (uint8) = kept column
+    ``c`` or kept diagonal ``r - c``, or ``c`` is 0 or ``r``; zero above the diagonal.  ``KEPT``
+    ``[B, Hq, 2, nb]`` int8 (columns, diagonals).  Grid ``(nb, B * Hq)``."""
+    r = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // num_heads).to(tl.int64)
+    h = (pid % num_heads).to(tl.int64)
+    kept_base = KEPT + b * stride_kb + h * stride_kh
+    row_base = MASK + b * stride_mb + h * stride_mh + r.to(tl.int64) * stride_mr
+    for first in range(0, num_blocks, TILE):
+        cols = first + tl.arange(0, TILE)
+        causal = cols <= r
+        column = tl.load(kept_base + cols * stride_kn, mask=causal, other=0)
+        diagonal = tl.load(kept_base + stride_kl + (r - cols) * stride_kn, mask=causal, other=0)
+        keep = ((column != 0) | (diagonal != 0) | (cols == 0) | (cols == r)) & causal
+        tl.store(row_base + cols * stride_mc, keep.to(tl.uint8), mask=cols < num_blocks)
+
+
+@triton.jit
+def query_aware_rows_kernel(QUERY_MEANS, KEY_MEANS, POOLED, LIMITS, num_blocks, num_heads, group, scale, lowest,
+                            highest, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn,
+                            stride_kd, stride_pb, stride_ph, stride_pr, stride_pc, stride_lp,
+                            HEAD_DIM: tl.constexpr, BLOCK_TILE: tl.constexpr, NB: tl.constexpr):
+    """Row ``r`` (``program_id(0)``) of a query-aware head's block map (grid ``(nb, B * Hq)``).
+
+    ``POOLED [B, Hq, nb, nb]`` float32: ``softmax(QUERY_MEANS[r] . KEY_MEANS[c]^T * scale)`` over
+    ``c <= r``, 0 above the diagonal.  ``LIMITS [2, B, Hq, nb, nb]`` (uint8, plane stride
+    ``stride_lp``, else POOLED's strides): plane 0 = the row's ``highest`` largest entries, plane 1
+    = its ``lowest`` largest entries or block 0 or the diagonal; both block-causal."""
+    r = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // num_heads).to(tl.int64)
+    h = (pid % num_heads).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query = tl.load(QUERY_MEANS + b * stride_qb + h * stride_qh + r.to(tl.int64) * stride_qn + offs_d * stride_qd)
+    key_base = KEY_MEANS + b * stride_kb + (h // group) * stride_kh
+    offs_c = tl.arange(0, BLOCK_TILE)
+    m_i = float("-inf")
+    l_i = 0.0
+    for first in range(0, r + 1, BLOCK_TILE):
+        logits = _block_logits(key_base, query, first + offs_c, first + offs_c <= r, scale, stride_kn, stride_kd,
+                               HEAD_DIM)
+        m_new = tl.maximum(m_i, tl.max(logits, 0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new), 0)
+        m_i = m_new
+    row_offs = b * stride_pb + h * stride_ph + r.to(tl.int64) * stride_pr
+    for first in range(0, num_blocks, BLOCK_TILE):
+        cols = first + offs_c
+        logits = _block_logits(key_base, query, cols, cols <= r, scale, stride_kn, stride_kd, HEAD_DIM)
+        probs = tl.exp(logits - m_i) / l_i
+        tl.store(POOLED + row_offs + cols * stride_pc, probs, mask=cols < num_blocks)
+    tl.debug_barrier()
+
+    cols = tl.arange(0, NB)
+    valid = cols < num_blocks
+    row = tl.load(POOLED + row_offs + cols * stride_pc, mask=valid, other=0.0)
+    bits = tl.where(valid, row.to(tl.int32, bitcast=True), -1)
+    causal = cols <= r
+    at_most = _largest(bits, highest) & causal
+    at_least = (_largest(bits, lowest) | (cols == 0) | (cols == r)) & causal
+    tl.store(LIMITS + row_offs + cols * stride_pc, at_most.to(tl.uint8), mask=valid)
+    tl.store(LIMITS + stride_lp + row_offs + cols * stride_pc, at_least.to(tl.uint8), mask=valid)

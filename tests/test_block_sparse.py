@@ -9,7 +9,7 @@ import torch
 from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
 from kernels.bench_flexprefill import structured_prefill
 from kernels.block_sparse import KernelConfig, block_sparse_attention, column_table, flexprefill_attention
-from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _cumsum, _diagonals, _largest, estimate_block_mask,
+from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _cumsum, _largest, estimate_block_mask,
                                          representative_lines)
 
 
@@ -112,10 +112,6 @@ def test_selection_helpers_match_their_plain_definitions():
     assert torch.allclose(_cumsum(x), x.cumsum(-1))
     flags = (x < 0.01).to(torch.int32)
     assert torch.equal(_cumsum(flags), flags.cumsum(-1))
-    offsets = torch.rand(2, 3, 7, generator=torch.Generator().manual_seed(1)) < 0.5
-    rows, cols = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
-    expected = offsets[..., (rows - cols).clamp(min=0)] & (cols <= rows)
-    assert torch.equal(_diagonals(offsets), expected)
     scores = torch.tensor([[0.3, 0.1, 0.3, 0.2, 0.3, 0.1]])
     for count in range(1, 7):
         kth = scores.sort(-1, descending=True).values[:, count - 1:count]
@@ -136,6 +132,20 @@ def test_estimated_mask_equals_reference_selection(tau, max_budget, union):
     assert torch.equal(estimate.block_mask, reference.block_mask)
     assert torch.equal(estimate.budgets[..., 0], reference.vertical_blocks)
     assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma,tau,min_budget,divisor,js_eps", [(0.95, 0.15, 32, 16, None), (1.0, 1.0, 0, None, 1e-10)])
+def test_estimated_mask_equals_reference_on_repeated_input_with_ties(gamma, tau, min_budget, divisor, js_eps):
+    q, k, _ = structured_prefill(1, 4, 4, 128, 64, seed=5, dtype=torch.float16, device="cpu")
+    q, k = q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1)  # equal block scores: ties broken by the lower index
+    params = dict(gamma=gamma, tau=tau, block_size=16, min_budget=min_budget, max_budget=128, budget_divisor=divisor,
+                  js_eps=js_eps)
+    estimate = estimate_block_mask(q, k, **params)
+    reference = select_blocks(q, k, **params)
+    assert torch.equal(estimate.pattern, reference.pattern)
+    assert torch.equal(estimate.block_mask, reference.block_mask)
+    assert torch.equal(estimate.budgets, torch.stack((reference.vertical_blocks, reference.slash_blocks), -1))
+    assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5, equal_nan=True)
 
 
 def test_flexprefill_attention_chains_estimation_and_kernel():
