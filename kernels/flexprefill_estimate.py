@@ -1,5 +1,5 @@
 """On-device FlexPrefill estimation: representative attention, vertical-slash selection and the
-pattern search in Triton; the query-aware search in batched torch.
+pattern search in Triton; the query-aware search in Triton around one torch sort.
 
 Up to the pattern decision a call is a fixed sequence of about ten launches (row statistics,
 their log-sum-exp, line sums, one sort of the lines, the fused vertical-slash selection, key
@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.flexprefill_estimate_kernel import (block_means_kernel, js_pattern_kernel, query_aware_rows_kernel,
+from kernels.flexprefill_estimate_kernel import (block_means_kernel, chunk_sums_kernel, js_pattern_kernel,
+                                                 query_aware_rows_kernel, query_aware_select_kernel,
                                                  representative_line_sums_kernel, representative_row_stats_kernel,
-                                                 row_lse_kernel, vertical_slash_mask_kernel,
-                                                 vertical_slash_select_kernel)
+                                                 row_lse_kernel, row_ties_kernel, sorted_coverage_kernel,
+                                                 vertical_slash_mask_kernel, vertical_slash_select_kernel)
 from kernels.prefill_checks import check_prefill_inputs, check_selection_params
 
 
@@ -117,37 +118,6 @@ def _token_means(x: torch.Tensor, block_size: int, heads: torch.Tensor | None = 
     return out.view(b, h, nb, d) if heads.numel() == b * h else out[None]
 
 
-def _cumsum(x: torch.Tensor, width: int = 1024) -> torch.Tensor:
-    """Inclusive cumsum along the last dim, in two levels of ``width`` for long rows (a single scan
-    over a row of 10^5..10^6 entries is slow on the GPU); ints stay exact."""
-    n = x.shape[-1]
-    if n <= 4 * width:
-        return x.cumsum(dim=-1)
-    tiles = torch.nn.functional.pad(x, (0, -n % width)).unflatten(-1, (-1, width)).cumsum(dim=-1)
-    totals = tiles[..., -1]
-    return (tiles + (totals.cumsum(dim=-1) - totals)[..., None]).flatten(-2)[..., :n]
-
-
-def _largest(scores: torch.Tensor, count: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the ``count`` largest entries along the last dim, ties taken lowest index first
-    (the prefix of a stable descending sort), given ``kth [..., 1]``, the count-th largest value.
-
-    Needs no argsort: entries above ``kth`` are in, and the tied ones are ranked by a cumsum.
-    """
-    above = scores > kth
-    ties = scores == kth
-    need = count[..., None] - above.sum(dim=-1, keepdim=True)
-    return (above | (ties & (_cumsum(ties.to(torch.int32)) <= need))) & (count[..., None] > 0)
-
-
-def _coverage(mass: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fewest largest entries of normalised ``mass [..., n]`` reaching ``gamma`` (capped at n), and
-    the value of the last one ``[..., 1]``."""
-    ordered = mass.sort(dim=-1, descending=True).values
-    count = ((_cumsum(ordered) < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1])
-    return count, ordered.gather(-1, count[..., None] - 1)
-
-
 def vertical_slash_blocks(lines: torch.Tensor, *, gamma: float, block_size: int, lowest: int, highest: int,
                           divisor: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Budgets and kept blocks of the vertical-slash pattern from ``lines [B, Hq, 2, N]`` (contiguous).
@@ -201,18 +171,43 @@ def vertical_slash_mask(kept: torch.Tensor) -> torch.Tensor:
 def query_aware_blocks(query_means: torch.Tensor, key_means: torch.Tensor, *, gamma: float, scale: float,
                        lowest: int, highest: int) -> torch.Tensor:
     """Query-aware tiles ``[B, Hq, nb, nb]`` (block-causal, with block 0 and the diagonal block)
-    from block-mean queries ``[B, Hq, nb, D]`` and keys ``[B, Hkv, nb, D]`` (float32)."""
+    from block-mean queries ``[B, Hq, nb, D]`` and keys ``[B, Hkv, nb, D]`` (float32).
+
+    The flat coverage over each head's normalised ``nb x nb`` map takes one sort: the running sum
+    of the sorted map gives the count and its last value ``kth``; the tiles above ``kth`` are in,
+    and of those equal to it the first ``count - #above`` in row-major order (a stable descending
+    sort's prefix), ranked from per-row tie counts.
+    """
     b, hq, nb, d = query_means.shape
+    heads = b * hq
+    capped = highest < nb
     pooled = torch.empty(b, hq, nb, nb, dtype=torch.float32, device=query_means.device)
-    limits = torch.empty(2, b, hq, nb, nb, dtype=torch.bool, device=query_means.device)
-    limit_bytes = limits.view(torch.uint8)
-    query_aware_rows_kernel[(nb, b * hq)](
-        query_means, key_means, pooled, limit_bytes, nb, hq, hq // key_means.shape[1], scale, lowest, highest,
-        *query_means.stride(), *key_means.stride(), *pooled.stride(), limit_bytes.stride(0), HEAD_DIM=d,
-        BLOCK_TILE=max(16, min(triton.next_power_of_2(nb), 8192 // d)), NB=max(16, triton.next_power_of_2(nb)))
-    flat = pooled.flatten(-2)
+    limits = torch.empty(1 + capped, b, hq, nb, nb, dtype=torch.uint8, device=query_means.device)
+    row_block = max(16, triton.next_power_of_2(nb))
+    query_aware_rows_kernel[(nb, heads)](
+        query_means, key_means, pooled, limits, nb, hq, hq // key_means.shape[1], scale, lowest, highest,
+        *query_means.stride(), *key_means.stride(), *pooled.stride(), limits.stride(0), HEAD_DIM=d,
+        BLOCK_TILE=max(16, min(row_block, 8192 // d)), NB=row_block, CAPPED=capped, FEW=lowest <= 16)
+    flat = pooled.view(heads, nb * nb)
     flat = flat / flat.sum(dim=-1, keepdim=True)
-    return (_largest(flat, *_coverage(flat, gamma)).view_as(pooled) & limits[0]) | limits[1]
+    ordered = flat.sort(dim=-1, descending=True).values
+    tile = min(4096, max(16, triton.next_power_of_2(nb * nb)))
+    chunks = triton.cdiv(nb * nb, tile)
+    sums = torch.empty(heads, chunks, dtype=torch.float32, device=flat.device)
+    chunk_sums_kernel[(heads, chunks)](ordered, sums, nb * nb, *ordered.stride(), *sums.stride(), TILE=tile)
+    kth = torch.empty(heads, dtype=torch.float32, device=flat.device)
+    need = torch.empty(heads, dtype=torch.int32, device=flat.device)
+    sorted_coverage_kernel[(heads,)](ordered, sums, kth, need, nb * nb, chunks, gamma, *ordered.stride(),
+                                     *sums.stride(), TILE=tile,
+                                     CHUNKS=min(1024, max(16, triton.next_power_of_2(chunks))))
+    ties = torch.empty(heads, nb, dtype=torch.int32, device=flat.device)
+    flat = flat.view(heads, nb, nb)
+    row_ties_kernel[(nb, heads)](flat, kth, ties, nb, *flat.stride(), *ties.stride(), NB=row_block)
+    out = torch.empty(b, hq, nb, nb, dtype=torch.bool, device=flat.device)
+    query_aware_select_kernel[(nb, heads)](flat, kth, need, ties, limits, out.view(torch.uint8).view(heads, nb, nb),
+                                           nb, *flat.stride(), *ties.stride(), limits.stride(0), NB=row_block,
+                                           CAPPED=capped)
+    return out
 
 
 def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: float = 0.1,

@@ -357,16 +357,30 @@ def vertical_slash_mask_kernel(KEPT, MASK, num_blocks, num_heads,
 
 
 @triton.jit
+def _largest_few(bits, cols, count):
+    """As :func:`_largest`, by ``count`` repeated arg-max steps (``tl.argmax`` returns the lowest
+    index among equal maxima): cheaper than the 31-step search for a few entries."""
+    chosen = cols < 0
+    for _ in range(count):
+        pick = tl.argmax(tl.where(chosen, -2, bits), 0)
+        chosen = chosen | (cols == pick)
+    return chosen
+
+
+@triton.jit
 def query_aware_rows_kernel(QUERY_MEANS, KEY_MEANS, POOLED, LIMITS, num_blocks, num_heads, group, scale, lowest,
                             highest, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn,
                             stride_kd, stride_pb, stride_ph, stride_pr, stride_pc, stride_lp,
-                            HEAD_DIM: tl.constexpr, BLOCK_TILE: tl.constexpr, NB: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_TILE: tl.constexpr, NB: tl.constexpr,
+                            CAPPED: tl.constexpr, FEW: tl.constexpr):
     """Row ``r`` (``program_id(0)``) of a query-aware head's block map (grid ``(nb, B * Hq)``).
 
     ``POOLED [B, Hq, nb, nb]`` float32: ``softmax(QUERY_MEANS[r] . KEY_MEANS[c]^T * scale)`` over
-    ``c <= r``, 0 above the diagonal.  ``LIMITS [2, B, Hq, nb, nb]`` (uint8, plane stride
-    ``stride_lp``, else POOLED's strides): plane 0 = the row's ``highest`` largest entries, plane 1
-    = its ``lowest`` largest entries or block 0 or the diagonal; both block-causal."""
+    ``c <= r``, 0 above the diagonal.  ``LIMITS [1 + CAPPED, B, Hq, nb, nb]`` (uint8, plane stride
+    ``stride_lp``, else POOLED's strides): plane 0 = the row's ``lowest`` largest entries or block 0
+    or the diagonal; with ``CAPPED`` (``highest < nb``), plane 1 = its ``highest`` largest entries;
+    both block-causal.  ``FEW``: ``lowest`` is small enough for :func:`_largest_few`.
+    """
     r = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // num_heads).to(tl.int64)
@@ -396,7 +410,109 @@ def query_aware_rows_kernel(QUERY_MEANS, KEY_MEANS, POOLED, LIMITS, num_blocks, 
     row = tl.load(POOLED + row_offs + cols * stride_pc, mask=valid, other=0.0)
     bits = tl.where(valid, row.to(tl.int32, bitcast=True), -1)
     causal = cols <= r
-    at_most = _largest(bits, highest) & causal
-    at_least = (_largest(bits, lowest) | (cols == 0) | (cols == r)) & causal
-    tl.store(LIMITS + row_offs + cols * stride_pc, at_most.to(tl.uint8), mask=valid)
-    tl.store(LIMITS + stride_lp + row_offs + cols * stride_pc, at_least.to(tl.uint8), mask=valid)
+    if FEW:
+        at_least = _largest_few(bits, cols, lowest)
+    else:
+        at_least = _largest(bits, lowest)
+    at_least = (at_least | (cols == 0) | (cols == r)) & causal
+    tl.store(LIMITS + row_offs + cols * stride_pc, at_least.to(tl.uint8), mask=valid)
+    if CAPPED:
+        at_most = _largest(bits, highest) & causal
+        tl.store(LIMITS + stride_lp + row_offs + cols * stride_pc, at_most.to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def chunk_sums_kernel(X, SUMS, n, stride_xs, stride_xn, stride_ss, stride_sc, TILE: tl.constexpr):
+    """SUMS ``[S, ceil(n / TILE)]``: sums of the ``TILE``-entry chunks of ``X [S, n]``.  Grid ``(S, chunks)``."""
+    idx = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    x = tl.load(X + tl.program_id(0).to(tl.int64) * stride_xs + idx * stride_xn, mask=idx < n, other=0.0)
+    tl.store(SUMS + tl.program_id(0).to(tl.int64) * stride_ss + tl.program_id(1) * stride_sc, tl.sum(x, 0))
+
+
+@triton.jit
+def sorted_coverage_kernel(SORTED, SUMS, KTH, NEED, n, num_chunks, gamma,
+                           stride_xs, stride_xn, stride_ss, stride_sc,
+                           TILE: tl.constexpr, CHUNKS: tl.constexpr):
+    """Coverage of one descending-sorted row ``SORTED[s, :n]`` (grid ``(S,)``), given its
+    ``TILE``-chunk sums ``SUMS [S, num_chunks]``: ``count`` = the fewest leading entries whose
+    running sum reaches ``gamma`` (capped at n), ``KTH[s]`` = the count-th value and ``NEED[s]``
+    (int32) = how many entries equal to it are in (``count`` minus the entries above it).
+
+    The running sum is the chunk sums' prefix up to the crossing chunk, then a scan of that one
+    chunk; the first entry equal to ``KTH`` is found by bisection on the sorted row.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    sums_base = SUMS + row * stride_ss
+    offs_c = tl.arange(0, CHUNKS)
+    carry = 0.0
+    whole = 0  # chunks whose running sum stays below gamma
+    before = 0.0  # and their mass
+    for first in range(0, num_chunks, CHUNKS):
+        ok = first + offs_c < num_chunks
+        sums = tl.load(sums_base + (first + offs_c) * stride_sc, mask=ok, other=0.0)
+        running = carry + tl.cumsum(sums, 0)
+        below = (running < gamma) & ok
+        whole += tl.sum(below.to(tl.int32), 0)
+        before += tl.sum(tl.where(below, sums, 0.0), 0)
+        carry = tl.max(tl.where(ok, running, 0.0), 0)
+    row_base = SORTED + row * stride_xs
+    idx = whole.to(tl.int64) * TILE + tl.arange(0, TILE)
+    ok = idx < n
+    running = before + tl.cumsum(tl.load(row_base + idx * stride_xn, mask=ok, other=0.0), 0)
+    count = tl.minimum(whole.to(tl.int64) * TILE + tl.sum(((running < gamma) & ok).to(tl.int32), 0) + 1, n)
+    kth = tl.load(row_base + (count - 1) * stride_xn)
+    lo = tl.full([], 0, tl.int64)
+    hi = count - 1
+    while lo < hi:  # first position holding kth
+        mid = (lo + hi) // 2
+        at_or_below = tl.load(row_base + mid * stride_xn) <= kth
+        hi = tl.where(at_or_below, mid, hi)
+        lo = tl.where(at_or_below, lo, mid + 1)
+    tl.store(KTH + row, kth)
+    tl.store(NEED + row, (count - lo).to(tl.int32))
+
+
+@triton.jit
+def _flat_row(FLAT, KTH, row_offs, cols, valid, head, stride_fc):
+    """A row of the normalised map, and its entries equal to the head's threshold."""
+    values = tl.load(FLAT + row_offs + cols * stride_fc, mask=valid, other=0.0)
+    kth = tl.load(KTH + head)
+    return values, (values == kth) & valid, kth
+
+
+@triton.jit
+def row_ties_kernel(FLAT, KTH, TIES, num_blocks, stride_fs, stride_fr, stride_fc, stride_ts, stride_tr,
+                    NB: tl.constexpr):
+    """TIES ``[S, nb]`` int32: per row ``r`` (``program_id(0)``) of head ``s``, how many entries of
+    ``FLAT [S, nb, nb]`` equal ``KTH[s]``.  Grid ``(nb, S)``."""
+    r = tl.program_id(0)
+    s = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, NB)
+    _, ties, _ = _flat_row(FLAT, KTH, s * stride_fs + r.to(tl.int64) * stride_fr, cols, cols < num_blocks, s,
+                           stride_fc)
+    tl.store(TIES + s * stride_ts + r * stride_tr, tl.sum(ties.to(tl.int32), 0))
+
+
+@triton.jit
+def query_aware_select_kernel(FLAT, KTH, NEED, TIES, LIMITS, OUT, num_blocks,
+                              stride_fs, stride_fr, stride_fc, stride_ts, stride_tr, stride_lp,
+                              NB: tl.constexpr, CAPPED: tl.constexpr):
+    """Row ``r`` (``program_id(0)``) of head ``s``'s query-aware tiles, ``OUT [S, nb, nb]`` (uint8,
+    FLAT's strides): the flat coverage (entries above ``KTH[s]``, and the first ``NEED[s]`` equal
+    to it in row-major order, ranked by the TIES counts of the rows above and a scan of this one),
+    within the row's ``highest`` limit (``LIMITS`` plane 1, if ``CAPPED``), or in the row's
+    ``lowest`` set (plane 0); block-causal.  Grid ``(nb, S)``."""
+    r = tl.program_id(0)
+    s = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, NB)
+    valid = cols < num_blocks
+    row_offs = s * stride_fs + r.to(tl.int64) * stride_fr
+    values, ties, kth = _flat_row(FLAT, KTH, row_offs, cols, valid, s, stride_fc)
+    earlier = tl.sum(tl.load(TIES + s * stride_ts + cols * stride_tr, mask=cols < r, other=0), 0)
+    rank = earlier + tl.cumsum(ties.to(tl.int32), 0)
+    chosen = (values > kth) | (ties & (rank <= tl.load(NEED + s)))
+    chosen = chosen & (cols <= r)
+    if CAPPED:
+        chosen = chosen & (tl.load(LIMITS + stride_lp + row_offs + cols * stride_fc, mask=valid, other=0) != 0)
+    chosen = chosen | (tl.load(LIMITS + row_offs + cols * stride_fc, mask=valid, other=0) != 0)
+    tl.store(OUT + row_offs + cols * stride_fc, chosen.to(tl.uint8), mask=valid)

@@ -9,8 +9,9 @@ import torch
 from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
 from kernels.bench_flexprefill import structured_prefill
 from kernels.block_sparse import KernelConfig, block_sparse_attention, column_table, flexprefill_attention
-from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _cumsum, _largest, estimate_block_mask,
-                                         representative_lines)
+from art_analysis.flexprefill import coverage_count, query_aware_mask
+from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, estimate_block_mask, query_aware_blocks,
+                                         representative_lines, vertical_slash_blocks)
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float16, device="cpu", seed=0):
@@ -107,17 +108,32 @@ def test_estimation_lines_match_reference_in_every_tiling(monkeypatch, block_n, 
     assert torch.allclose(lines[:, :, 1], stats.slash, atol=1e-6)
 
 
-def test_selection_helpers_match_their_plain_definitions():
-    x = torch.rand(3, 9000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    assert torch.allclose(_cumsum(x), x.cumsum(-1))
-    flags = (x < 0.01).to(torch.int32)
-    assert torch.equal(_cumsum(flags), flags.cumsum(-1))
-    scores = torch.tensor([[0.3, 0.1, 0.3, 0.2, 0.3, 0.1]])
-    for count in range(1, 7):
-        kth = scores.sort(-1, descending=True).values[:, count - 1:count]
-        stable_prefix = scores.argsort(dim=-1, descending=True, stable=True)[:, :count]
-        expected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, stable_prefix, True)
-        assert torch.equal(_largest(scores, torch.tensor([count]), kth), expected)
+@pytest.mark.parametrize("gamma", [0.25, 0.3, 0.375, 0.5, 0.6, 0.75, 0.8, 0.875, 0.9, 1.0])
+def test_line_budgets_equal_the_sorted_prefix_with_ties(gamma):
+    # exact binary fractions, so every prefix sum is exact: the crossing lands inside tie groups
+    # (0.125 x 4, 0.0625 x 4) and on them (0.5, 0.875, 1.0), and below the total (1.0 = gamma)
+    values = torch.tensor([0.0625, 0.125, 0.0, 0.25, 0.125, 0.0625, 0.125, 0.0625, 0.125, 0.0625, 0.0, 0.0])
+    lines = torch.stack((values, values.flip(0))).view(1, 1, 2, -1)
+    _, budgets, _ = vertical_slash_blocks(lines, gamma=gamma, block_size=4, lowest=0, highest=3, divisor=1)
+    expected = coverage_count(lines, gamma).clamp(max=3)
+    assert torch.equal(budgets, expected), (gamma, budgets, expected)
+
+
+@pytest.mark.parametrize("gamma,lowest,highest", [(0.5, 1, 9), (0.8, 2, 9), (0.9, 0, 3), (1.0, 1, 9), (0.7, 20, 9)])
+def test_query_aware_coverage_breaks_flat_ties_in_row_major_order(gamma, lowest, highest):
+    # equal keys give uniform rows (every row a tie group); repeated keys give ties inside rows
+    gen = torch.Generator().manual_seed(4)
+    nb, d = 9, 16
+    keys = torch.randn(1, 1, 3, d, generator=gen).repeat(1, 1, 3, 1)
+    keys[:, :, 6:] = 0.0
+    queries = torch.randn(1, 2, nb, d, generator=gen)
+    queries[:, 1] = 0.0
+    mask = query_aware_blocks(queries, keys, gamma=gamma, scale=0.5, lowest=lowest, highest=highest)
+    reference = query_aware_mask(queries, keys, gamma=gamma, block_size=1, sm_scale=0.5, min_blocks=min(lowest, nb),
+                                 max_blocks=highest)
+    idx = torch.arange(nb)
+    forced = ((idx[None, :] == 0) | (idx[None, :] == idx[:, None])) & (idx[None, :] <= idx[:, None])
+    assert torch.equal(mask, reference | forced)
 
 
 @pytest.mark.parametrize("tau,max_budget,union", [(0.0, None, False), (0.15, None, False), (1.0, None, False),
