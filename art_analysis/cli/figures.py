@@ -174,7 +174,8 @@ def register(subparsers) -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller threshold grid")
     parser.add_argument("--benchmarks", type=Path, default=Path("benchmarks/results"),
                         help="GPU benchmark JSON folder for the kernel figures")
-    parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default figures/<capture or synthetic name>)")
     parser.set_defaults(func=run)
 
 
@@ -188,10 +189,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         source, name = synthetic_cache(1, 8, 2, 2048 if args.quick else 8192, 64, preset=args.synthetic,
                                        seed=0), f"synthetic-{args.synthetic}"
+    out = args.out or Path("figures") / name
     studies = run_studies(source, name, block_size=args.block_size, step=args.step, quick=args.quick)
-    figures = draw_figures(studies, args.out)
-    figures.update(draw_benchmark_figures(args.benchmarks, args.out))
-    write_json_atomic(args.out / "studies.json", dict(studies.tables(), figures={k: str(p) for k, p in figures.items()}))
+    figures = draw_figures(studies, out)
+    figures.update(draw_benchmark_figures(args.benchmarks, out))
+    write_json_atomic(out / "studies.json", dict(studies.tables(), figures={k: str(p) for k, p in figures.items()}))
     print_studies(studies)
-    print(f"\nwrote {len(figures)} figures (PNG + PDF) and studies.json to {args.out}")
+    print(f"\nwrote {len(figures)} figures (PNG + PDF) and studies.json to {out}")
     return 0
