@@ -1,4 +1,5 @@
-"""Writing result files atomically (a temporary file in the same folder, then a rename)."""
+"""Result files: writing them atomically (a temporary file in the same folder, then a rename), and
+finding the newest result of a benchmark suite."""
 from __future__ import annotations
 
 import json
@@ -25,3 +26,16 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, payload, indent: int = 2) -> Path:
     """``payload`` as JSON (trailing newline) through :func:`write_text_atomic`."""
     return write_text_atomic(path, json.dumps(payload, indent=indent) + "\n")
+
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def latest_result(suite: str, folder: str | os.PathLike = RESULTS_DIR) -> Path | None:
+    """The newest ``<date>-<suite>.json`` in ``folder`` (by name, which starts with the date), or None.
+
+    ``suite`` is e.g. ``"art-decode"`` or ``"flexprefill"``; suffixed copies such as
+    ``<date>-<suite>-v2.json`` are earlier runs kept for the record and are not matched.
+    """
+    found = sorted(Path(folder).glob(f"*-{suite}.json"))
+    return found[-1] if found else None

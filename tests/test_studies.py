@@ -14,7 +14,6 @@ from art_analysis.analysis.convergence import convergence_curves, error_at, erro
 from art_analysis.analysis.inputs import DecodeInput, decode_inputs, traces
 from art_analysis.analysis.misalignment import misaligned_tokens, misalignment_rates
 from art_analysis.analysis.sensitivity import baseline_sweep, pareto_front, pick_default, threshold_grid
-from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
 from art_analysis.analysis.bounds import bound_rules
 from art_analysis.synthetic import synthetic_cache

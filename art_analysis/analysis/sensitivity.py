@@ -85,8 +85,12 @@ def pick_default(rows: pd.DataFrame, max_p99_error: float) -> dict:
     feasible = rows[rows["rel_error_p99"] <= max_p99_error]
     if feasible.empty:
         raise ValueError(f"no setting keeps the 99th-percentile relative error under {max_p99_error}")
-    best = feasible.sort_values(["loaded_fraction", "rel_error_p99"]).iloc[0]
-    return {key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()}
+    return _plain(feasible.sort_values(["loaded_fraction", "rel_error_p99"]).iloc[0])
+
+
+def _plain(row: pd.Series) -> dict:
+    """A DataFrame row as a dict of plain Python values (JSON-ready)."""
+    return {key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
 
 
 def choose_setting(rows: pd.DataFrame, max_p99_error: float = ERROR_BOUND) -> dict:
@@ -95,6 +99,4 @@ def choose_setting(rows: pd.DataFrame, max_p99_error: float = ERROR_BOUND) -> di
     try:
         return dict(pick_default(rows, max_p99_error), within_bound=True)
     except ValueError:
-        best = rows.sort_values(["rel_error_p99", "loaded_fraction"]).iloc[0]
-        return dict({key: (value.item() if hasattr(value, "item") else value) for key, value in best.items()},
-                    within_bound=False)
+        return dict(_plain(rows.sort_values(["rel_error_p99", "loaded_fraction"]).iloc[0]), within_bound=False)

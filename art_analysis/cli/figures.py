@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from kernels.results_io import write_json_atomic
+from kernels.results_io import latest_result, write_json_atomic
 
 from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS, ablation_table
 from ..analysis.bounds import BOUND_COLUMNS, BOUND_FORMATS, bound_rules, bound_summary, bound_table
@@ -37,6 +37,7 @@ from ..rules_summary import RULE_COLUMNS, SUMMARY_FORMATS, standard_rules, summa
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
 from ..termination import ARTConfig
+
 
 @dataclass
 class CaptureStudies:
@@ -133,14 +134,14 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
 def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
     """The kernel-speed and FlexPrefill-latency figures from the newest GPU results in ``benchmarks``
     (none when the folder holds no results)."""
-    from ..plots.flexprefill import latest_benchmark, plot_latency_vs_gamma
+    from ..plots.flexprefill import plot_latency_vs_gamma
     from ..plots.kernel_speed import plot_kernel_speed
 
     figures = {}
-    decode = sorted(benchmarks.glob("*-art-decode.json"))
-    if decode:
-        figures["kernel_speed"] = plot_kernel_speed(json.loads(decode[-1].read_text()), out / "kernel_speed.png")
-    prefill = latest_benchmark(benchmarks)
+    decode = latest_result("art-decode", benchmarks)
+    if decode is not None:
+        figures["kernel_speed"] = plot_kernel_speed(json.loads(decode.read_text()), out / "kernel_speed.png")
+    prefill = latest_result("flexprefill", benchmarks)
     if prefill is not None:
         figures["flexprefill_latency"] = plot_latency_vs_gamma(json.loads(prefill.read_text())["rows"],
                                                                out / "flexprefill_latency_vs_gamma.png")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.results_io import write_json_atomic
+from kernels.results_io import latest_result, write_json_atomic
 
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
@@ -105,10 +105,10 @@ def _inputs(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plots.flexprefill import (latest_benchmark, plot_error_vs_gamma, plot_kept_vs_gamma,
+    from ..plots.flexprefill import (plot_error_vs_gamma, plot_kept_vs_gamma,
                                      plot_latency_vs_gamma, plot_patterns)
 
-    bench = args.bench_json or latest_benchmark()
+    bench = args.bench_json or latest_result("flexprefill")
     if bench is not None and not Path(bench).is_file():
         raise FileNotFoundError(f"benchmark JSON {bench} does not exist")
     quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}

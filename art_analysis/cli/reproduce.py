@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kernels.results_io import write_json_atomic, write_text_atomic
+from kernels.results_io import latest_result, write_json_atomic, write_text_atomic
 
 from ..analysis.inputs import traces
 from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, ERROR_BOUND
@@ -154,9 +154,9 @@ def _benchmark_summaries(folder: Path) -> dict:
     """The ``summary`` of the newest decode and FlexPrefill GPU results in ``folder``, with their file names."""
     summaries = {}
     for kind in ("art-decode", "flexprefill"):
-        found = sorted(folder.glob(f"*-{kind}.json"))
-        if found:
-            payload = json.loads(found[-1].read_text())
-            summaries[kind] = dict(file=found[-1].name, device=payload.get("device"), date=payload.get("date"),
+        found = latest_result(kind, folder)
+        if found is not None:
+            payload = json.loads(found.read_text())
+            summaries[kind] = dict(file=found.name, device=payload.get("device"), date=payload.get("date"),
                                    summary=payload.get("summary"))
     return summaries

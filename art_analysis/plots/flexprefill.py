@@ -90,14 +90,9 @@ def plot_latency_vs_gamma(rows: Sequence[dict], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def latest_benchmark(folder: str | Path = "benchmarks/results") -> Path | None:
-    """The newest ``*-flexprefill.json`` in ``folder`` (by name, which starts with the date), or None."""
-    found = sorted(Path(folder).glob("*-flexprefill.json"))
-    return found[-1] if found else None
-
-
 def main() -> None:
     from kernels.bench_flexprefill import structured_prefill
+    from kernels.results_io import latest_result
 
     from ..flexprefill import QUERY_AWARE, gamma_sweep
 
@@ -110,7 +105,7 @@ def main() -> None:
                              "figures/flexprefill_kept_vs_gamma.png"))
     print(plot_error_vs_gamma({label: (sweep.gammas, sweep.rel_error.mean(dim=(1, 2)))},
                               "figures/flexprefill_error_vs_gamma.png"))
-    bench = latest_benchmark()
+    bench = latest_result("flexprefill")
     if bench is not None:
         print(plot_latency_vs_gamma(json.loads(bench.read_text())["rows"], "figures/flexprefill_latency_vs_gamma.png"))
 

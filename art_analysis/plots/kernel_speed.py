@@ -10,6 +10,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from kernels.results_io import latest_result
+
 from .figure_io import save_figure
 
 IMPL_STYLES = {
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, nargs="?", help="benchmark JSON (default: the newest *-art-decode.json)")
     parser.add_argument("--out", type=Path, default=Path("figures/kernel_speed.png"))
     args = parser.parse_args(argv)
-    path = args.results or max(Path("benchmarks/results").glob("*-art-decode.json"))
+    path = args.results or latest_result("art-decode")
+    if path is None:
+        parser.error("no *-art-decode.json in benchmarks/results: pass the benchmark JSON")
     print(plot_kernel_speed(json.loads(path.read_text()), args.out))
     return 0
 
