@@ -84,6 +84,13 @@ class BlockTrace:
         return self.partial_out.shape[1] // self.block_ids.shape[1]
 
     @property
+    def loaded_fraction(self) -> torch.Tensor:
+        """``[B, Hq, T]`` float64: share of the walk's tokens visited once step ``t`` is done (padded
+        steps repeat 1)."""
+        tokens = torch.cumsum(self.block_tokens, dim=-1).repeat_interleave(self.group_size, dim=1).to(torch.float64)
+        return tokens / tokens[..., -1:]
+
+    @property
     def steps_per_head(self) -> torch.Tensor:
         """``[B, Hq]`` number of real (non-padding) steps of each query head's walk."""
         steps = (self.block_ids >= 0).sum(-1)

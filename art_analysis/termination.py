@@ -348,9 +348,7 @@ class _Evaluator:
 def _result(trace: BlockTrace, stop_step: torch.Tensor) -> StopResult:
     index = stop_step[..., None, None].expand(-1, -1, 1, trace.partial_out.shape[-1])
     output = torch.gather(trace.partial_out, 2, index).squeeze(2)
-    tokens = torch.cumsum(trace.block_tokens, dim=-1).repeat_interleave(trace.group_size, dim=1)
-    loaded = torch.gather(tokens, -1, stop_step[..., None]).squeeze(-1)
-    loaded_fraction = loaded.to(torch.float64) / tokens[..., -1].to(torch.float64)
+    loaded_fraction = torch.gather(trace.loaded_fraction, -1, stop_step[..., None]).squeeze(-1)
     final = trace.final_out
     final_norm = torch.linalg.vector_norm(final, dim=-1)
     rel_error = torch.linalg.vector_norm(output - final, dim=-1) / torch.clamp(final_norm, min=_TINY)

@@ -29,12 +29,10 @@ def error_curve(trace: BlockTrace) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``(loaded_fraction, rel_error)``, both ``[B, Hq, T]``; padded steps repeat the
     final values (fraction 1, error 0).
     """
-    tokens = torch.cumsum(trace.block_tokens, dim=-1).repeat_interleave(trace.group_size, dim=1)
-    loaded = tokens.double() / tokens[..., -1:].double()
     final = trace.final_out[:, :, None, :]
     error = torch.linalg.vector_norm(trace.partial_out - final, dim=-1)
     error = error / torch.clamp(torch.linalg.vector_norm(final, dim=-1), min=1e-30)
-    return loaded, error.double()
+    return trace.loaded_fraction, error.double()
 
 
 def error_at(trace: BlockTrace, fractions: torch.Tensor) -> torch.Tensor:
