@@ -26,6 +26,7 @@ import torch
 
 from ..blockwise import BlockTrace, blockwise_attention
 from ..checks import check_block_size, check_cache_seqlens
+from ..orders import walkable_blocks
 from .base import SelectionPolicy
 
 WALK_ORDERS = ("sequential", "recency", "sink_recency")
@@ -109,8 +110,7 @@ def walk_order(selection: torch.Tensor, order: str, *, block_size: int,
     batch, kv_heads, num_blocks = selection.shape
     seqlens = check_cache_seqlens(cache_seqlens, batch, num_blocks * block_size if seqlen is None else seqlen,
                                   selection.device)
-    ids = torch.arange(num_blocks, device=selection.device)
-    kept = selection & (ids * block_size < seqlens[:, None])[:, None, :]
+    kept = walkable_blocks(seqlens, kv_heads, num_blocks, block_size, selection)
     # Rank of each kept block in increasing id (its row in the block table).
     position = torch.cumsum(kept.long(), dim=-1) - 1
     count = kept.sum(-1, keepdim=True)
@@ -123,6 +123,7 @@ def walk_order(selection: torch.Tensor, order: str, *, block_size: int,
     steps = int(count.max()) if count.numel() else 0
     walk = torch.full((batch, kv_heads, steps + 1), -1, dtype=torch.long, device=selection.device)
     target = torch.where(kept, step, steps)
+    ids = torch.arange(num_blocks, device=selection.device)
     walk.scatter_(-1, target, torch.where(kept, ids, -1).expand_as(target))
     return walk[..., :steps]
 
