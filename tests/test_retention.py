@@ -54,6 +54,10 @@ def test_rules_in_the_decode_loop(loaded, prompt):
     assert 0.15 < rows["one_block"]["loaded_fraction"] < 0.25
     assert rows["one_block"]["first_divergence"] <= 4
     assert rows["one_block"]["kl_mean"] > 1e-3
+    # The needle sits past the first block: one block never reads it, full walks always do.
+    assert prompt.needle_start >= 64
+    assert rows["one_block"]["needle_read"] == 0.0
+    assert rows["dense"]["needle_read"] == 1.0 and rows["never"]["needle_read"] == 1.0
 
 
 def test_rows_decode_independently_and_teacher_forcing_feeds_the_given_tokens(loaded, prompt):
@@ -126,3 +130,14 @@ def test_evaluate_command_prints_the_table(loaded, monkeypatch, capsys, tmp_path
     printed = capsys.readouterr().out
     assert "coverage_0.9: MassCoverage(gamma=0.9, head)" in printed
     assert out.exists()
+
+
+def test_needle_read_is_the_share_of_heads_whose_walk_reached_the_needle_block():
+    cache = synthetic_cache(2, 6, 2, 400, 16, preset="realistic", seed=6)
+    query = cache.q[:, :, None]
+    for needle, expected in (((70, 80), [0.0, 1.0]), ((10, 20), [1.0, 1.0]), ((60, 70), [1.0, 1.0])):
+        hook = RuleAttention([FixedBudget(1), None], order="sequential", needle=needle)
+        hook(None, None, query, cache.k, cache.v, None, scaling=0.25)
+        assert [r[0] for r in hook.needle_read] == expected, needle
+    with pytest.raises(ValueError, match="needle"):
+        RuleAttention([None], needle=(5, 5))

@@ -39,19 +39,34 @@ class RuleAttention:
 
     Decode calls (query length 1) truncate batch row ``r`` by ``rules[r]`` (``None``: the full walk,
     i.e. dense attention through the simulator) and record that row's loaded fraction (mean over
-    query heads) in ``loaded[r]``; prefill calls run the model's own attention.
+    query heads) in ``loaded[r]``; prefill calls run the model's own attention.  With ``needle``
+    (the ``[start, end)`` token range of a retrieval prompt's needle) every call also records in
+    ``needle_read[r]`` the share of query heads whose walk read a block holding a needle token
+    before it stopped.
     """
 
     rules: Sequence[Rule | None]
     block_size: int = 64
     order: str = "sink_recency"
-    loaded: list = field(default_factory=list)
+    needle: tuple[int, int] | None = None
+    loaded: list = field(init=False)
+    needle_read: list = field(init=False)
 
     def __post_init__(self) -> None:
         self.rules = list(self.rules)
         if not self.rules:
             raise ValueError("RuleAttention needs one rule (or None) per batch row")
+        if self.needle is not None and not 0 <= self.needle[0] < self.needle[1]:
+            raise ValueError(f"needle must be a token range [start, end) with 0 <= start < end, got {self.needle}")
         self.loaded = [[] for _ in self.rules]
+        self.needle_read = [[] for _ in self.rules]
+
+    def _needle_share(self, trace, stop_step: torch.Tensor, row: int) -> float:
+        """Share of row ``row``'s query heads whose steps ``0..stop_step`` include a needle block."""
+        first, last = self.needle[0] // self.block_size, (self.needle[1] - 1) // self.block_size
+        ids = trace.block_ids[row].repeat_interleave(trace.group_size, dim=0)             # [Hq, T]
+        taken = torch.arange(ids.shape[-1], device=ids.device) <= stop_step[row][:, None]
+        return float(((ids >= first) & (ids <= last) & taken).any(-1).double().mean())
 
     def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
         if query.shape[2] != 1:
@@ -66,13 +81,18 @@ class RuleAttention:
         trace = blockwise_attention(q, key, value, block_size=self.block_size, order=self.order,
                                     sm_scale=scaling, block_scores=block_scores)
         output = trace.final_out.clone()
+        last_step = trace.steps_per_head - 1
         for row, rule in enumerate(self.rules):
             if rule is None:
                 self.loaded[row].append(1.0)
-                continue
-            result = stop(trace, rule)
-            output[row] = result.output[row]
-            self.loaded[row].append(float(result.loaded_fraction[row].mean()))
+                stop_step = last_step
+            else:
+                result = stop(trace, rule)
+                output[row] = result.output[row]
+                self.loaded[row].append(float(result.loaded_fraction[row].mean()))
+                stop_step = result.stop_step
+            if self.needle is not None:
+                self.needle_read[row].append(self._needle_share(trace, stop_step, row))
         return output.to(query.dtype)[:, None], None
 
 
@@ -129,7 +149,8 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         differing token, ``max_new_tokens`` if none), ``kl_mean`` / ``kl_max`` (KL(dense || rule) of the
         teacher-forced next-token distributions, nats, over every step of every prompt),
         ``loaded_fraction`` (mean over layers, decode steps and prompts of the free-running decode),
-        ``prompts``.
+        ``needle_read`` (share of query heads, over the same calls, whose walk read the needle's
+        block before stopping), ``prompts``.
     """
     if max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be >= 2 (the first token comes from the prefill), got {max_new_tokens}")
@@ -148,7 +169,8 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             out = model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, logits_to_keep=1,
                         **{cache_argument(model): cache})
         first = int(out.logits[0, -1].argmax())
-        hook = RuleAttention([rules[n] for n in names], block_size=block_size, order=order)
+        needle = (prompt.needle_start, prompt.needle_end) if prompt.unit == "tokens" else None
+        hook = RuleAttention([rules[n] for n in names], block_size=block_size, order=order, needle=needle)
         tokens, logprobs = decode_rows(model, _repeated(cache, len(names)), [first] * len(names), steps, hook)
         dense = tokens[0]
         # Rows that left dense decoding's path are replayed teacher-forced on it for the KL.
@@ -164,13 +186,14 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             records.append(dict(task=prompt.kind, rule=name, correct=prompt.answer in tokenizer.decode(tokens[r].tolist()),
                                 dense_correct=dense_correct, agree=sum(same),
                                 divergence=same.index(False) if False in same else max_new_tokens,
-                                kl=kl[r], loaded=hook.loaded[r]))
+                                kl=kl[r], loaded=hook.loaded[r], needle_read=hook.needle_read[r]))
     rows = []
     for task in dict.fromkeys(r["task"] for r in records):
         for name, rule in rules.items():
             group = [r for r in records if r["task"] == task and r["rule"] == name]
             kl = torch.cat([r["kl"] for r in group])
             loaded = [x for r in group for x in r["loaded"]]
+            needle_read = [x for r in group for x in r["needle_read"]]
             answered = [r for r in group if r["dense_correct"]]
             rows.append(dict(task=task, rule=name if rule is None else f"{name}: {rule.name}", order=order,
                              accuracy=sum(r["correct"] for r in group) / len(group),
@@ -179,11 +202,14 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
                              token_agreement=sum(r["agree"] for r in group) / (len(group) * max_new_tokens),
                              first_divergence=sum(r["divergence"] for r in group) / len(group),
                              kl_mean=float(kl.mean()), kl_max=float(kl.max()),
-                             loaded_fraction=sum(loaded) / len(loaded), prompts=len(group)))
+                             loaded_fraction=sum(loaded) / len(loaded),
+                             needle_read=sum(needle_read) / len(needle_read) if needle_read else float("nan"),
+                             prompts=len(group)))
     return pd.DataFrame(rows)
 
 
 GENERATION_COLUMNS = ("task", "rule", "order", "accuracy", "answer_retained", "token_agreement", "first_divergence",
-                      "kl_mean", "kl_max", "loaded_fraction", "prompts")
+                      "kl_mean", "kl_max", "loaded_fraction", "needle_read", "prompts")
 GENERATION_FORMATS = {"accuracy": ".2f", "answer_retained": ".2f", "token_agreement": ".3f",
-                      "first_divergence": ".1f", "kl_mean": ".2e", "kl_max": ".2e", "loaded_fraction": ".3f"}
+                      "first_divergence": ".1f", "kl_mean": ".2e", "kl_max": ".2e", "loaded_fraction": ".3f",
+                      "needle_read": ".3f"}

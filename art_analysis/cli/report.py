@@ -180,7 +180,9 @@ def _retention_section(results: dict) -> list[str]:
         "the needle at several depths, greedy decoding; `accuracy` counts prompts whose answer appears, "
         "`answer_retained` the share of the prompts dense decoding answers that the rule still answers, "
         "`token_agreement` compares tokens with dense decoding, and `kl_mean` is KL(dense || rule) of the "
-        "next-token distributions teacher-forced on dense decoding's tokens (`retention.png`). This is the "
+        "next-token distributions teacher-forced on dense decoding's tokens; `needle_read` is the share of "
+        "query heads, over every decode attention call, whose walk read the block holding the needle before "
+        "it stopped (`retention.png`). This is the "
         "toolkit's stand-in for the paper's LongBench retention (99.2% of the dense score).",
         "",
         *_code(format_table(results["retention"], GENERATION_COLUMNS, GENERATION_FORMATS)),

@@ -15,8 +15,9 @@ from .figure_io import save_figure
 
 
 def plot_retention(table: pd.DataFrame, path: str | Path, title: str = "Retrieval with the rule inside decoding") -> Path:
-    """One panel per task and walk order: accuracy and token agreement (bars) and the loaded
-    fraction (black dots) per rule, the mean teacher-forced KL against dense in the tick labels."""
+    """One panel per task and walk order: accuracy and token agreement (bars), the loaded fraction
+    (black dots) and the share of heads whose walk read the needle's block (red crosses) per rule,
+    the mean teacher-forced KL against dense in the tick labels."""
     panels = list(table.groupby(["task", "order"], sort=False))
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
@@ -26,6 +27,7 @@ def plot_retention(table: pd.DataFrame, path: str | Path, title: str = "Retrieva
         ax.bar(x - 0.2, group["accuracy"], 0.4, label="answer found", color="tab:blue")
         ax.bar(x + 0.2, group["token_agreement"], 0.4, label="tokens equal to dense", color="tab:green")
         ax.scatter(x, group["loaded_fraction"], color="black", zorder=3, label="loaded fraction")
+        ax.scatter(x, group["needle_read"], color="tab:red", marker="x", zorder=3, label="needle block read")
         labels = [f"{rule.split(':')[0]}\nKL {kl:.1e}" for rule, kl in zip(group["rule"], group["kl_mean"])]
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_ylim(0, 1.05)
