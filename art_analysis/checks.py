@@ -1,6 +1,8 @@
 """Input checks shared by the public entry points (simulator, policies, analyses)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -11,6 +13,14 @@ def check_int(value, name: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_fraction(value, name: str) -> float:
+    """``value`` must be a finite real number (not a ``bool``) in ``(0, 1]``; returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)
 
 
 def check_block_size(block_size) -> int:

@@ -33,6 +33,7 @@ from typing import Sequence, Union
 import torch
 
 from .blockwise import BlockTrace
+from .checks import check_fraction
 
 PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIM_NAMES = ("full", "mma")
@@ -165,8 +166,7 @@ class MassCoverage:
     group: str = "head"
 
     def __post_init__(self) -> None:
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must lie in (0, 1], got {self.gamma!r}")
+        check_fraction(self.gamma, "gamma")
         _check_group(self.group)
 
     @property

@@ -16,6 +16,7 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from ..checks import check_fraction
 from .inputs import decode_inputs
 
 
@@ -46,12 +47,6 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
     return weights.amax(1), contribution.amax(1)
 
 
-def _check_share(value: float, name: str) -> float:
-    if not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
-    return float(value)
-
-
 def _top_mask(values: torch.Tensor, share: float) -> torch.Tensor:
     """``BoolTensor`` like ``values [H, S]`` marking each row's top ``round(share * S)`` (at least 1)."""
     count = max(1, int(round(share * values.shape[-1])))
@@ -63,7 +58,7 @@ def misaligned_fraction(score: torch.Tensor, contribution: torch.Tensor, top: fl
 
     Args: ``score, contribution: [H, S]``.  Returns ``[H]``.
     """
-    top = _check_share(top, "top")
+    top = check_fraction(top, "top")
     by_contribution = _top_mask(contribution, top)
     return (by_contribution & ~_top_mask(score, top)).sum(-1).double() / by_contribution.sum(-1)
 
@@ -78,8 +73,8 @@ def misalignment_rates(source, *, top: float = 0.2, ks: Sequence[float] = (0.01,
         ``recall@k`` for every ``k`` in ``ks`` (share of the top-``k`` tokens by contribution found in
         the top-``k`` by score).
     """
-    top = _check_share(top, "top")
-    ks = [_check_share(k, "every k") for k in ks]
+    top = check_fraction(top, "top")
+    ks = [check_fraction(k, "every k") for k in ks]
     rows = []
     for call in decode_inputs(source, step):
         for b in range(call.q.shape[0]):
@@ -105,7 +100,7 @@ def misaligned_tokens(source, *, layer: int | None = None, top: float = 0.2, ste
         One row per ``(b, kv_head, token)``: ``layer, score, contribution, score_rank`` (0 = highest
         score, as a share of the tokens), ``top_contribution`` and ``misaligned`` (bools).
     """
-    top = _check_share(top, "top")
+    top = check_fraction(top, "top")
     calls = decode_inputs(source, step)
     layers = [call.layer for call in calls]
     if layer is None:

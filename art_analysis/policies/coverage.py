@@ -4,11 +4,11 @@ https://arxiv.org/abs/2502.20766
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_fraction
 from .base import SelectionInputs, SelectionPolicy
 from .scores import attention_weights, check_sm_scale
 
@@ -48,9 +48,7 @@ class CoveragePolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) \
-                or not math.isfinite(self.gamma) or not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must lie in (0, 1], got {self.gamma!r}")
+        check_fraction(self.gamma, "gamma")
         check_sm_scale(self.sm_scale)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
