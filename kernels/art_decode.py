@@ -74,7 +74,20 @@ split, at most ``MAX_SPLITS``, rounded down so that the grid does not spill a fe
 into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured
 11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
 (96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128),
-measured best or tied at every point of the benchmark's split sweep.
+measured best or tied at every point of the benchmark's split sweep.  Blocks of at most
+``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (2)
+programs per multiprocessor instead: two programs' three-stage K/V buffers fit in shared memory,
+and a co-resident program hides the leader's monitor latency (never-stopping ART over dense at
+B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two; dense itself 5 % faster).
+
+**Loads and launch shape** (``benchmarks/NOTES-art-decode.md``, V7).  With blocks of at most
+``TMA_MAX_BLOCK`` tokens on the contiguous layout, K and V tiles are read through per-sequence
+tensor descriptors (``kernels.descriptors``: one bulk copy per tile, rows past the length read
+as zeros), which removes the per-row address arithmetic and masks from the monitor's walk (a
+leader step compiles to ~495 instead of ~610 instructions per warp), and programs run 2 warps;
+128-token dense blocks keep pointer loads and 4 warps, measured 0.2-5 % faster that way.  The
+paged layout always uses pointer loads (its rows are gathered through the page table).
+Descriptor and pointer loads give bit-identical results.
 
 Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
 the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
@@ -95,6 +108,7 @@ import triton
 
 from .art_decode_kernel import art_decode_split_kernel
 from .art_params import ARTParams
+from .descriptors import descriptor_ready, prepare_descriptors
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -103,7 +117,9 @@ BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 MAX_GROUP = 128
-TARGET_PROGRAMS_PER_SM = 1
+TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
+SMALL_BLOCK_PROGRAMS_PER_SM = 2   # blocks of at most TMA_MAX_BLOCK tokens: two programs' buffers fit
+TMA_MAX_BLOCK = 64
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
@@ -171,7 +187,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         _check_block_table(block_table, seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None)
+        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None, block_size)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
@@ -193,8 +209,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     else:
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    num_warps, num_stages = _launch_config(q.device)
+    num_warps, num_stages = _launch_config(q.device, block_size)
     block_g = triton.next_power_of_2(group)
+    tma = _use_tma(k_cache, v_cache, paged, block_size)
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_cache, v_cache, table, seqlens,
         out, lse, part_out, part_lse, steps, flag, arrivals,
@@ -211,15 +228,17 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
-        num_warps=num_warps, num_stages=num_stages)
+        TMA=tma, num_warps=num_warps, num_stages=num_stages)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool) -> int:
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool,
+                      block_size: int = DENSE_BLOCK_SIZE) -> int:
     """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (module docstring).
 
-    Dense: one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor, rounded down
+    Dense: one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
+    (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
     unless that leaves more than a quarter of the multiprocessors idle; at least
     ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: one split once there are
     ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
@@ -227,7 +246,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     programs = batch * kv_heads
     if art:
         return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, max_steps, device)
-    slots = TARGET_PROGRAMS_PER_SM * _num_sms(device)
+    per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
+    slots = per_sm * _num_sms(device)
     wanted = slots // programs
     if wanted * programs < WAVE_FILL * slots:
         wanted += 1
@@ -282,6 +302,15 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
     return counters
 
 
+def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int) -> bool:
+    """Whether K and V tiles are read through tensor descriptors (bulk copies): contiguous layout,
+    blocks of at most ``TMA_MAX_BLOCK`` tokens, and tensors a descriptor can address."""
+    if paged or block_size > TMA_MAX_BLOCK or not (descriptor_ready(k_cache) and descriptor_ready(v_cache)):
+        return False
+    prepare_descriptors(k_cache.device)
+    return True
+
+
 @cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -290,10 +319,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 @cache
-def _launch_config(device: torch.device) -> tuple[int, int]:
-    """``(num_warps, num_stages)``: deeper K/V pipelining on Hopper and newer."""
+def _launch_config(device: torch.device, block_size: int) -> tuple[int, int]:
+    """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages, and 2 warps for blocks of at most
+    ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return 4, 3
+        return (2 if block_size <= TMA_MAX_BLOCK else 4), 3
     return 4, 2
 
 

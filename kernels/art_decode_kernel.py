@@ -49,7 +49,8 @@ from .art_decode_combine import combine_group
 def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
-    """Token validity ``[BLOCK_N]`` and int64 row offsets of K and V for traversal step ``step``."""
+    """Token validity ``[BLOCK_N]``, int64 row offsets of K and V and the first token (int32) of
+    traversal step ``step``."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
@@ -65,24 +66,50 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
     else:
         k_rows = b.to(tl.int64) * stride_k0 + kv_head * stride_kh + pos * stride_kt
         v_rows = b.to(tl.int64) * stride_v0 + kv_head * stride_vh + pos * stride_vt
-    return valid, k_rows, v_rows
+    return valid, k_rows, v_rows, (block * BLOCK_N).to(tl.int32)
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
-                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One step of the online softmax: returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``."""
+def _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, sm_scale,
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """One step of the online softmax: returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.
+
+    ``k_src``, ``v_src``: with ``TMA`` the sequence's ``[seqlen, D]`` tensor descriptors (one bulk
+    copy per tile from ``first_row``; rows past the length read as zeros), else base pointers
+    with the ``k_rows`` / ``v_rows`` offsets (invalid tokens masked to zeros)."""
     dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    if TMA:
+        k = k_src.load([first_row, 0])
+    else:
+        k = tl.load(k_src + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l_new = alpha * l + tl.sum(p, 1)
-    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    if TMA:
+        v = v_src.load([first_row, 0])
+    else:
+        v = tl.load(v_src + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
     acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_new, acc_new
+
+
+@triton.jit
+def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, sm_scale,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
+    for t in tl.range(first, last):
+        valid, k_rows, v_rows, first_row = _block_rows(
+            t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+            stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+            BLOCK_N, SINK_RECENCY, PAGED)
+        m, l, acc = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, sm_scale, HEAD_DIM,
+                                  DOT_PRECISION, TMA)
+    return m, l, acc
 
 
 @triton.jit
@@ -138,8 +165,10 @@ def art_decode_split_kernel(
         PAGED: tl.constexpr, SINK_RECENCY: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr):
-    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk."""
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+        TMA: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.  ``TMA``
+    (contiguous layout only): K and V tiles are read through per-sequence tensor descriptors."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -160,6 +189,15 @@ def art_decode_split_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     visited = start * 0
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_k0 + kv_head.to(tl.int64) * stride_kh,
+                                          shape=[seqlen.to(tl.int32), HEAD_DIM], strides=[stride_kt, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_ptr + b.to(tl.int64) * stride_v0 + kv_head.to(tl.int64) * stride_vh,
+                                          shape=[seqlen.to(tl.int32), HEAD_DIM], strides=[stride_vt, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        k_src, v_src = k_ptr, v_ptr
 
     if ART:
         if PROBE_MMA:
@@ -184,12 +222,12 @@ def art_decode_split_kernel(
             chunk_end = tl.minimum(step + ART_CHUNK, end)
             if is_leader:
                 for t in tl.range(step, chunk_end):
-                    valid, k_rows, v_rows = _block_rows(
+                    valid, k_rows, v_rows, first_row = _block_rows(
                         t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
                         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                         BLOCK_N, SINK_RECENCY, PAGED)
-                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows,
-                                                          sm_scale, HEAD_DIM, DOT_PRECISION)
+                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows,
+                                                          first_row, sm_scale, HEAD_DIM, DOT_PRECISION, TMA)
                     norm, count, done = _probe_update(
                         acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
@@ -201,13 +239,10 @@ def art_decode_split_kernel(
                     group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
                     m, l, acc = m_new, l_new, acc_new
             else:
-                for t in tl.range(step, chunk_end):
-                    valid, k_rows, v_rows = _block_rows(
-                        t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
-                        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                        BLOCK_N, SINK_RECENCY, PAGED)
-                    m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
-                                              HEAD_DIM, DOT_PRECISION)
+                m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                                        table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
+                                        stride_v0, stride_vh, stride_vt, sm_scale,
+                                        BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, TMA)
                 visited += chunk_end - step
                 stop_m, stop_l, stop_acc = m, l, acc
             step = chunk_end
@@ -217,13 +252,10 @@ def art_decode_split_kernel(
             go = (step < end) & (group_done == 0) & (converged == 0)
         m, l, acc = stop_m, stop_l, stop_acc
     else:
-        for t in tl.range(start, end):
-            valid, k_rows, v_rows = _block_rows(
-                t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
-                stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                BLOCK_N, SINK_RECENCY, PAGED)
-            m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, valid, k_rows, v_rows, sm_scale,
-                                      HEAD_DIM, DOT_PRECISION)
+        m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                                table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
+                                stride_v0, stride_vh, stride_vt, sm_scale,
+                                BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, TMA)
         visited = tl.maximum(end - start, 0)
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))

@@ -189,7 +189,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     if reference is not None and dense_ms is not None:
         out = art_decode(q, k, v).float()
         rows[-1]["rel_error_vs_peer"] = float((out - reference).norm() / reference.norm())
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False)
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False,
+                               block_size=ART_BLOCK_SIZE)
     add("art_dense_bs64", lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits),
         num_splits=splits, block_size=ART_BLOCK_SIZE)
     add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits,

@@ -268,9 +268,10 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
     }
     chosen = {d: default_config(d, block_size) for d in (64, 128)}
     if sweep_configs:
-        candidates = {128: [KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3),
-                            KernelConfig(64, 64, 4, 3)],
-                      64: [KernelConfig(128, 128, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3)]}
+        candidates = {128: [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 2),
+                            KernelConfig(128, 64, 4, 3)],
+                      64: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 3),
+                           KernelConfig(128, 128, 8, 2)]}
         payload["kernel_configs"] = {}
         for head_dim, configs in candidates.items():
             q, k, v = structured_prefill(seqlen=lengths[0], head_dim=head_dim, device=device)

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_table_kernel
+from kernels.descriptors import descriptor_ready, prepare_descriptors
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs
 
@@ -43,13 +44,14 @@ class KernelConfig:
 
 def default_config(head_dim: int, block_size: int) -> KernelConfig:
     """Tiles for Hopper-class GPUs: the fastest of ``kernels.bench_flexprefill.sweep_kernel_configs``
-    on an H200 (dense causal mask, 32k tokens); small tiles for the CPU interpreter."""
+    on an H200 (dense causal mask, 32k tokens; ``benchmarks/NOTES-flexprefill.md``, K2: with D = 128,
+    128 x 64 tiles on 4 warps and 2 stages run 12 % faster than 128 x 128 on 8 warps); small tiles
+    for the CPU interpreter."""
     if not torch.cuda.is_available():
         tile = min(block_size, 32)
         return KernelConfig(tile, tile, 4, 1)
     if head_dim == 128:
-        tile = min(block_size, 128)
-        return KernelConfig(tile, tile, 8, 2)
+        return KernelConfig(min(block_size, 128), min(block_size, 64), 4, 2)
     return KernelConfig(min(block_size, 128), min(block_size, 64), 4, 3)
 
 
@@ -99,7 +101,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     """Causal attention over the tiles kept in ``block_mask``.
 
     Args:
-        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]``; fp16 or bf16, D in {64, 128}.
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]``; fp16 or bf16, D in {64, 128}.  Any strides;
+            a tensor the kernel's descriptors cannot address (stride in D other than 1, or a base
+            or stride not 16-byte aligned) is copied to a contiguous one first.
         block_mask: ``[B, Hq, nb, nb]`` bool, ``nb = ceil(N / block_size)``.
         block_size: tokens per block (power of two, 16..256).
         sm_scale: softmax scale, default ``D ** -0.5``.
@@ -116,9 +120,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")
-    for name, x in (("k", k), ("v", v)):
-        if (cfg.block_n - 1) * abs(x.stride(2)) + (d - 1) * abs(x.stride(3)) >= 2 ** 31:
-            raise ValueError(f"{name}'s strides {x.stride()} are too large for int32 offsets inside a tile")
+    prepare_descriptors(q.device)
+    q, k, v = (x if descriptor_ready(x) else x.contiguous() for x in (q, k, v))
     cols, counts = column_table(block_mask)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     out = torch.empty_like(q)
@@ -128,7 +131,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     block_sparse_attention_kernel[grid](
         q, k, v, out, lse, cols, counts,
         scale * math.log2(math.e), n, hq, hq // k.shape[1], q_programs,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *cols.stride(), *counts.stride(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *cols.stride(),
+        *counts.stride(),
         HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RETURN_LSE=return_lse,
         HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (out, lse) if return_lse else out

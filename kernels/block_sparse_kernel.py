@@ -4,47 +4,36 @@ One program computes ``BLOCK_M`` query rows of one query head.  Its query block'
 list (``COLS``, ascending, ``COUNTS`` entries) is walked with a FlashAttention-2 online
 softmax in base 2.  Because the list is ascending and causal, only its last entry can be the
 diagonal block: every earlier block is walked without any mask, and the diagonal block alone
-gets the causal and length mask.  The readable reference is
-``art_analysis.flexprefill.sparse_attention``.
+gets the causal mask.  The readable reference is ``art_analysis.flexprefill.sparse_attention``.
 
-Addressing: batch, head and tile bases are int64 (widened before multiplying by strides); inside a
-``[BLOCK_N, D]`` tile the element offsets are int32 and loop-invariant, so the loop does one
-64-bit multiply per tile rather than one per element.  Plain pointer arithmetic, no block
-pointers, so the same code runs in the CPU interpreter.  :func:`column_table_kernel` builds
-the per-row key-block lists from a block mask on the device.
+Q, K, V are read and O is written through per-``(batch, head)`` tensor descriptors of shape
+``[N, D]`` (bulk copies on Hopper, built in the kernel; the launcher registers the scratch
+allocator, ``kernels.descriptors``): rows past ``N`` load as zeros and are not stored, so ragged
+lengths need no masks, and the software pipeliner overlaps the copies with the two matrix
+products.  Descriptor coordinates are int32 token indices; the per-head bases are int64.
+:func:`column_table_kernel` builds the per-row key-block lists from a block mask on the device.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, k_offs, v_offs, offs_m, seqlen, qk_scale,
-                 stride_kn, stride_vn, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over keys ``[key_start, key_start + BLOCK_N)``; returns (acc, m, l).
 
-    ``key_start`` is int64; ``k_offs``, ``v_offs`` ``[BLOCK_N, D]`` are the loop-invariant int32
-    element offsets inside a tile."""
-    k_ptrs = k_base + key_start * stride_kn + k_offs
-    v_ptrs = v_base + key_start * stride_vn + v_offs
+    ``MASKED``: the diagonal block, where key ``j`` is visible to row ``i`` iff ``j <= i`` (keys
+    past ``N`` read as zeros and only rows past ``N``, never stored, can see them)."""
+    k = k_desc.load([key_start, 0])
+    qk = tl.dot(q, tl.trans(k))
     if MASKED:
         offs_n = key_start + tl.arange(0, BLOCK_N)
-        in_range = offs_n[:, None] < seqlen
-        k = tl.load(k_ptrs, mask=in_range, other=0.0)
-        v = tl.load(v_ptrs, mask=in_range, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < seqlen)
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        qk = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        m_ref = m_new
-    p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-    alpha = tl.math.exp2(m_i - m_ref)
+        qk = tl.where(offs_n[None, :] <= offs_m[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([key_start, 0])
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
@@ -53,10 +42,10 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, k_offs, v_offs, of
 def block_sparse_attention_kernel(
         Q, K, V, O, LSE, COLS, COUNTS,
         qk_scale, seqlen, num_q_heads, group, num_q_programs,
-        stride_qb, stride_qh, stride_qn, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_ob, stride_oh, stride_on, stride_od,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh, stride_ln,
         stride_cb, stride_ch, stride_cq, stride_cc,
         stride_nb, stride_nh, stride_nq,
@@ -66,9 +55,10 @@ def block_sparse_attention_kernel(
 
     Grid ``(ceil(N / BLOCK_M), B * Hq)``, or with ``HEADS_FIRST`` ``(B * Hq, ceil(N / BLOCK_M))`` so
     that the query heads of one KV head (and all heads) run the same query tile side by side.
-    Q, O: ``[B, Hq, N, D]``; K, V: ``[B, Hkv, N, D]``; LSE: ``[B, Hq, N]`` float32 (natural log);
-    COLS: ``[B, Hq, nb, >= max count]`` int32 ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.
-    ``qk_scale`` = softmax scale * log2(e).  BLOCK_M and BLOCK_N divide BLOCK_SIZE.
+    Q, O: ``[B, Hq, N, D]``; K, V: ``[B, Hkv, N, D]`` (unit stride in D, 16-byte aligned bases and
+    strides); LSE: ``[B, Hq, N]`` float32 (natural log); COLS: ``[B, Hq, nb, >= max count]`` int32
+    ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.  ``qk_scale`` = softmax scale * log2(e).
+    BLOCK_M and BLOCK_N divide BLOCK_SIZE.
     """
     SUB_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     if HEADS_FIRST:
@@ -81,17 +71,18 @@ def block_sparse_attention_kernel(
     h = (pid_bh % num_q_heads).to(tl.int64)
     kv_h = h // group
     q_block = (pid_m * BLOCK_M) // BLOCK_SIZE
+    first_row = pid_m * BLOCK_M
 
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seqlen
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + kv_h * stride_kh
-    v_base = V + b * stride_vb + kv_h * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
-    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[seqlen, HEAD_DIM],
+                                       strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kv_h * stride_kh, shape=[seqlen, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kv_h * stride_vh, shape=[seqlen, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[seqlen, HEAD_DIM],
+                                       strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    q = q_desc.load([first_row, 0])
 
     cols = COLS + b * stride_cb + h * stride_ch + q_block * stride_cq
     count = tl.load(COUNTS + b * stride_nb + h * stride_nh + q_block * stride_nq)
@@ -103,25 +94,23 @@ def block_sparse_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for step in range(0, unmasked_steps):
-        col = tl.load(cols + (step // SUB_TILES) * stride_cc).to(tl.int64)
+        col = tl.load(cols + (step // SUB_TILES) * stride_cc)
         key_start = col * BLOCK_SIZE + (step % SUB_TILES) * BLOCK_N
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, k_offs, v_offs, offs_m, seqlen,
-                                     qk_scale, stride_kn, stride_vn, BLOCK_N, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale, BLOCK_N, False)
     if has_diagonal:
-        diagonal_steps = ((pid_m + 1) * BLOCK_M - 1 - q_block * BLOCK_SIZE) // BLOCK_N + 1
+        diagonal_steps = (first_row + BLOCK_M - 1 - q_block * BLOCK_SIZE) // BLOCK_N + 1
         for sub in range(0, diagonal_steps):
-            key_start = q_block.to(tl.int64) * BLOCK_SIZE + sub * BLOCK_N
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, key_start, k_offs, v_offs, offs_m, seqlen,
-                                         qk_scale, stride_kn, stride_vn, BLOCK_N, True)
+            key_start = q_block * BLOCK_SIZE + sub * BLOCK_N
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale, BLOCK_N,
+                                         True)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    o_desc.store([first_row, 0], out.to(O.dtype.element_ty))
     if RETURN_LSE:
         lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453,
                        float("-inf"))
-        tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=row_ok)
+        tl.store(LSE + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_ln, lse, mask=offs_m < seqlen)
 
 
 @triton.jit

@@ -13,4 +13,4 @@ python3 -m pytest -q -m gpu tests/test_block_sparse.py 2>&1 | tee "$out_dir/flex
 capture=.carry/smollm2_prefill.safetensors
 extra=()
 [ -f "$capture" ] && extra=(--capture "$capture" --capture-layer 15)
-python3 -m kernels.bench_flexprefill --out "$out_dir" "${extra[@]}" 2>&1 | tee "$out_dir/flexprefill_bench.log"
+python3 -m kernels.bench_flexprefill --out "$out_dir" --sweep-configs "${extra[@]}" 2>&1 | tee "$out_dir/flexprefill_bench.log"

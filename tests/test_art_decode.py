@@ -250,6 +250,35 @@ def arrival_counters_all_zero():
     return all(bool((c == 0).all()) for c in art_decode_module._ARRIVAL_COUNTERS.values())
 
 
+@pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-3, phi=1e-4, patience=2)], ids=["dense", "art"])
+def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(monkeypatch, art):
+    q, k, v = synthetic_inputs(4, 8, 2, 400, 64, torch.float16, CPU, seed=9)
+    k[:, :, 300:] = float("nan")  # past every length: zeros from the descriptor, masked pointer loads
+    v[:, :, 300:] = float("nan")
+    seqlens = torch.tensor([1, 63, 65, 300], dtype=torch.int32)
+    params = None if art is None else art.kernel_params()
+    results = []
+    for use_descriptors in (True, False):
+        calls = []
+        monkeypatch.setattr(art_decode_module, "_use_tma", lambda k_cache, v_cache, paged, block_size, use=use_descriptors:
+                            calls.append(use) or use)
+        results.append(art_decode(q, k, v, cache_seqlens=seqlens, art=params, block_size=64, num_splits=3,
+                                  return_lse=True, return_stats=True))
+        assert calls == [use_descriptors]
+    assert torch.isfinite(results[0][0]).all()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_descriptors_are_used_for_small_contiguous_blocks_only():
+    q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
+    assert art_decode_module._use_tma(k, v, paged=False, block_size=64)
+    assert not art_decode_module._use_tma(k, v, paged=False, block_size=128)
+    assert not art_decode_module._use_tma(k, v, paged=True, block_size=64)
+    misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
+    assert not art_decode_module._use_tma(misaligned, v, paged=False, block_size=64)
+
+
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
     # 8 splits of 64-token blocks: length 1 fills split 0 only, 130 splits 0-2, 700 splits 0-5
     lengths = torch.tensor([1, 130, 700], dtype=torch.int32)

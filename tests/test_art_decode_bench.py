@@ -43,6 +43,11 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(1, 8, 2048, None, art=True) == 1        # 8 pairs: one split
     assert choose_num_splits(1, 3, 512, None, art=True) == 16        # leader range of at least 32 blocks
     assert choose_num_splits(1, 3, 4096, None, art=True) == 44       # one program per multiprocessor
+    # blocks of at most 64 tokens: two programs per multiprocessor
+    assert choose_num_splits(1, 8, 512, None, art=False, block_size=64) == 33
+    assert choose_num_splits(8, 8, 2048, None, art=False, block_size=64) == 4
+    assert choose_num_splits(128, 3, 512, None, art=False, block_size=64) == 1
+    assert choose_num_splits(1, 8, 2048, None, art=True, block_size=64) == 1   # ART keeps its own rule
 
 
 def test_tile_batch_repeats_rows_cyclically():

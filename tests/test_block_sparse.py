@@ -68,6 +68,17 @@ def test_kernel_matches_reference_fp16(hq, hkv, n, d, bs, config):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
 
 
+def test_kernel_reads_strided_and_unaligned_views_like_contiguous_inputs():
+    q, k, v = _inputs(2, 4, 2, 200, 64, seed=4)
+    mask = _random_mask(2, 4, 7, 0.5, seed=4)
+    expected = block_sparse_attention(q, k, v, mask, block_size=32)
+    sequence_major = q.transpose(1, 2).contiguous().transpose(1, 2)       # [B, N, H, D] storage: descriptor-ready
+    padded = torch.zeros(2, 2, 200, 72, dtype=k.dtype)[..., :64]           # 144-byte rows: copied first
+    padded.copy_(k)
+    out = block_sparse_attention(sequence_major, padded, v, mask, block_size=32)
+    assert torch.equal(out, expected)
+
+
 def test_kernel_empty_rows_give_zero_output_and_minus_inf_lse():
     q, k, v = _inputs(1, 2, 1, 96, 64)
     mask = torch.zeros(1, 2, 3, 3, dtype=torch.bool)

@@ -1,0 +1,34 @@
+"""Tensor descriptors (TMA bulk copies on Hopper) for the Triton kernels: when a tensor can be read
+through one, and the allocator that Triton needs for descriptors made inside a kernel.
+
+A kernel that calls ``tl.make_tensor_descriptor`` asks the host, at launch, for a global scratch
+buffer to hold the descriptors; :func:`set_descriptor_allocator` gives Triton one from PyTorch's
+caching allocator (process-wide, set once, also inside CUDA-graph capture, where the buffer
+comes from the graph's pool).  The CPU interpreter needs none.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+
+
+def descriptor_ready(x: torch.Tensor) -> bool:
+    """Whether a descriptor can address ``x`` along its last dim: unit last stride, and a 16-byte
+    aligned base and other strides (the bulk-copy engine's requirements)."""
+    size = x.element_size()
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in x.stride()[:-1]))
+
+
+def prepare_descriptors(device: torch.device) -> None:
+    """Make kernels that build descriptors launchable on ``device`` (see the module docstring)."""
+    if device.type == "cuda":
+        set_descriptor_allocator()
+
+
+@cache
+def set_descriptor_allocator() -> None:
+    """Register a PyTorch-backed allocator for in-kernel descriptors (once per process)."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
