@@ -86,8 +86,9 @@ tensor descriptors (``kernels.descriptors``: one bulk copy per tile, rows past t
 as zeros), which removes the per-row address arithmetic and masks from the monitor's walk (a
 leader step compiles to ~495 instead of ~610 instructions per warp), and programs run 2 warps;
 128-token dense blocks keep pointer loads and 4 warps, measured 0.2-5 % faster that way.  The
-paged layout always uses pointer loads (its rows are gathered through the page table).
-Descriptor and pointer loads give bit-identical results.
+paged layout always uses pointer loads (its rows are gathered through the page table), and so
+does the ART leader scheme (several splits with a monitor): with descriptors it hung the H200
+under Triton 3.6 (V7).  Descriptor and pointer loads give bit-identical results.
 
 Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
 the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
@@ -211,7 +212,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_warps, num_stages = _launch_config(q.device, block_size)
     block_g = triton.next_power_of_2(group)
-    tma = _use_tma(k_cache, v_cache, paged, block_size)
+    tma = _use_tma(k_cache, v_cache, paged, block_size, leader_scheme=art is not None and num_splits > 1)
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_cache, v_cache, table, seqlens,
         out, lse, part_out, part_lse, steps, flag, arrivals,
@@ -302,10 +303,14 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
     return counters
 
 
-def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int) -> bool:
+def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *,
+             leader_scheme: bool) -> bool:
     """Whether K and V tiles are read through tensor descriptors (bulk copies): contiguous layout,
-    blocks of at most ``TMA_MAX_BLOCK`` tokens, and tensors a descriptor can address."""
-    if paged or block_size > TMA_MAX_BLOCK or not (descriptor_ready(k_cache) and descriptor_ready(v_cache)):
+    blocks of at most ``TMA_MAX_BLOCK`` tokens, tensors a descriptor can address, and not the ART
+    leader scheme (with descriptors, ART calls of several splits hung the H200 under Triton 3.6:
+    every time with 4 warps, in one CUDA-graph replay with 2 warps; pointer loads never did)."""
+    if (paged or leader_scheme or block_size > TMA_MAX_BLOCK
+            or not (descriptor_ready(k_cache) and descriptor_ready(v_cache))):
         return False
     prepare_descriptors(k_cache.device)
     return True

@@ -260,7 +260,8 @@ def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(mon
     results = []
     for use_descriptors in (True, False):
         calls = []
-        monkeypatch.setattr(art_decode_module, "_use_tma", lambda k_cache, v_cache, paged, block_size, use=use_descriptors:
+        monkeypatch.setattr(art_decode_module, "_use_tma",
+                            lambda k_cache, v_cache, paged, block_size, leader_scheme, use=use_descriptors:
                             calls.append(use) or use)
         results.append(art_decode(q, k, v, cache_seqlens=seqlens, art=params, block_size=64, num_splits=3,
                                   return_lse=True, return_stats=True))
@@ -272,11 +273,13 @@ def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(mon
 
 def test_descriptors_are_used_for_small_contiguous_blocks_only():
     q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
-    assert art_decode_module._use_tma(k, v, paged=False, block_size=64)
-    assert not art_decode_module._use_tma(k, v, paged=False, block_size=128)
-    assert not art_decode_module._use_tma(k, v, paged=True, block_size=64)
+    use = art_decode_module._use_tma
+    assert use(k, v, paged=False, block_size=64, leader_scheme=False)
+    assert not use(k, v, paged=False, block_size=128, leader_scheme=False)
+    assert not use(k, v, paged=True, block_size=64, leader_scheme=False)
+    assert not use(k, v, paged=False, block_size=64, leader_scheme=True)
     misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
-    assert not art_decode_module._use_tma(misaligned, v, paged=False, block_size=64)
+    assert not use(misaligned, v, paged=False, block_size=64, leader_scheme=False)
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
