@@ -270,7 +270,7 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
     if sweep_configs:
         candidates = {128: [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 2),
                             KernelConfig(128, 64, 4, 3)],
-                      64: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 3),
+                      64: [KernelConfig(128, 128, 4, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 64, 4, 2),
                            KernelConfig(128, 128, 8, 2)]}
         payload["kernel_configs"] = {}
         for head_dim, configs in candidates.items():
