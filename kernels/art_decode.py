@@ -86,9 +86,19 @@ tensor descriptors (``kernels.descriptors``: one bulk copy per tile, rows past t
 as zeros), which removes the per-row address arithmetic and masks from the monitor's walk (a
 leader step compiles to ~495 instead of ~610 instructions per warp), and programs run 2 warps;
 128-token dense blocks keep pointer loads and 4 warps, measured 0.2-5 % faster that way.  The
-paged layout always uses pointer loads (its rows are gathered through the page table), and so
-does the ART leader scheme (several splits with a monitor): with descriptors it hung the H200
-under Triton 3.6 (V7).  Descriptor and pointer loads give bit-identical results.
+paged layout always uses pointer loads (its rows are gathered through the page table).  The ART
+leader scheme (several splits with a monitor) uses descriptors only for ``D = 128`` and splits of
+at least ``LEADER_TMA_MIN_STEPS`` blocks (V8: never-stopping B = 8, S = 128k 1.119 -> 1.035 ms,
+leader scheme B = 1, S = 128k 0.124 -> 0.095 ms; SmolLM2's 64-dim walks of 6-47 blocks per split
+were 2-8 % slower with them).  Descriptor and pointer loads give bit-identical results.
+
+**Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
+(``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one
+thread executes it and the value is broadcast, so all warps of a program leave the walk at the
+same chunk.  With plain scalar loads each warp read the flag itself; warps on either side of the
+leader's store left the loop at different chunks, their barriers paired up wrongly, and the
+result depended on timing (3 of 20 calls wrong at B = 8, S = 128k, 4 splits) or, with the
+descriptor pipeline, the program hung (the V7 hang).
 
 Numerics: scores, softmax and accumulation in fp32 with natural ``exp``; ``p`` is rounded to
 the value dtype before the ``P V`` product, as in the simulator.  The kernel's dot products
@@ -121,6 +131,7 @@ MAX_GROUP = 128
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 2   # blocks of at most TMA_MAX_BLOCK tokens: two programs' buffers fit
 TMA_MAX_BLOCK = 64
+LEADER_TMA_MIN_STEPS = 32
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
@@ -212,7 +223,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_warps, num_stages = _launch_config(q.device, block_size)
     block_g = triton.next_power_of_2(group)
-    tma = _use_tma(k_cache, v_cache, paged, block_size, leader_scheme=art is not None and num_splits > 1)
+    tma = _use_tma(k_cache, v_cache, paged, block_size,
+                   leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_cache, v_cache, table, seqlens,
         out, lse, part_out, part_lse, steps, flag, arrivals,
@@ -304,13 +316,16 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
 
 
 def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *,
-             leader_scheme: bool) -> bool:
+             leader_steps: int | None) -> bool:
     """Whether K and V tiles are read through tensor descriptors (bulk copies): contiguous layout,
-    blocks of at most ``TMA_MAX_BLOCK`` tokens, tensors a descriptor can address, and not the ART
-    leader scheme (with descriptors, ART calls of several splits hung the H200 under Triton 3.6:
-    every time with 4 warps, in one CUDA-graph replay with 2 warps; pointer loads never did)."""
-    if (paged or leader_scheme or block_size > TMA_MAX_BLOCK
+    blocks of at most ``TMA_MAX_BLOCK`` tokens and tensors a descriptor can address.  In the ART
+    leader scheme (``leader_steps``: blocks per split, ``None`` otherwise) only for ``D = 128`` and
+    at least ``LEADER_TMA_MIN_STEPS`` blocks per split: each program builds its descriptors, which
+    did not pay off on shorter walks or on ``D = 64`` tiles (``benchmarks/NOTES-art-decode.md``, V8)."""
+    if (paged or block_size > TMA_MAX_BLOCK
             or not (descriptor_ready(k_cache) and descriptor_ready(v_cache))):
+        return False
+    if leader_steps is not None and (k_cache.shape[-1] != 128 or leader_steps < LEADER_TMA_MIN_STEPS):
         return False
     prepare_descriptors(k_cache.device)
     return True

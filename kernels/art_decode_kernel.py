@@ -153,6 +153,17 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
 
 
 @triton.jit
+def _read_flag(ptr):
+    """The converged flag at ``ptr``, the same value in every warp of the program.
+
+    A scalar ``tl.load`` is issued by every thread, and warps that read it on either side of the
+    leader's store would leave the walk at different chunks, so that the program's barriers no
+    longer pair up (wrong partial results, or a hang with the descriptor pipeline).  A scalar
+    atomic is executed by one thread and broadcast to the program."""
+    return tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr, arrivals_ptr,
@@ -216,7 +227,7 @@ def art_decode_split_kernel(
         if SINGLE_SPLIT:
             converged = 0
         else:
-            converged = tl.load(flag_ptr + bh, volatile=True)
+            converged = _read_flag(flag_ptr + bh)
         go = (step < end) & (converged == 0)
         while go:
             chunk_end = tl.minimum(step + ART_CHUNK, end)
@@ -248,7 +259,7 @@ def art_decode_split_kernel(
             step = chunk_end
             if not SINGLE_SPLIT:
                 tl.store(flag_ptr + bh, 1, mask=tl.where(is_leader, group_done, 0) != 0)
-                converged = tl.load(flag_ptr + bh, volatile=True)
+                converged = _read_flag(flag_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
         m, l, acc = stop_m, stop_l, stop_acc
     else:
@@ -281,9 +292,9 @@ def art_decode_split_kernel(
         if arrived == num_splits - 1:
             kept_splits = num_splits
             if ART:
-                converged = tl.load(flag_ptr + bh, volatile=True)
+                # read and reset in one atomic: a separate reset could land before another warp's read
+                converged = tl.atomic_xchg(flag_ptr + bh, 0, sem="relaxed", scope="gpu")
                 kept_splits = tl.where(converged == 0, num_splits, 1)
-                tl.store(flag_ptr + bh, 0)
             combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
                           num_kv_heads, num_splits, stride_ob, stride_oh,
                           GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)

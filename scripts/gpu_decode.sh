@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The ART decode kernel on one CUDA GPU, in one call: the bf16 tests at real sizes (pytest -m gpu),
-# compute-sanitizer memcheck on a representative run (paged, ragged, ART with splits), then the
+# compute-sanitizer memcheck on a representative run (paged and contiguous, ragged, ART with splits), then the
 # benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
-# and memcheck.  The captured layer .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q)
+# and memcheck; SKIP_BENCH=1 stops after them.  The captured layer .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q)
 # is benchmarked when present (send it with the device runner's carry).  Make it on the CPU with
 #   art-analysis capture --model smollm2 --context 8192 --decode-steps 8 --source stdlib --out captures/smollm2-8k
 #   python -c "import torch; from safetensors.torch import save_file; from art_analysis.capture import KVCapture;
@@ -28,9 +28,12 @@ q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
 pages = torch.randn(2, 200, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
 table = torch.randperm(200, device="cuda", dtype=torch.int32)[:150].view(3, 50)
 lengths = torch.tensor([1, 799, 513], device="cuda", dtype=torch.int32)
+kv = torch.randn(2, 3, 8, 799, 128, device="cuda", dtype=torch.bfloat16)
 for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
     for splits in (1, 4):
         out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=art, num_splits=splits)
+        # contiguous 64-token blocks: tensor-descriptor loads (one split), pointer loads (leader scheme)
+        out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=art, num_splits=splits, block_size=64)
 torch.cuda.synchronize()
 print("memcheck run finished", bool(torch.isfinite(out).all()))
 '
@@ -45,5 +48,6 @@ capture=.carry/smollm2_layer15_ctx8192.safetensors
 extra=()
 [ -f "$capture" ] && extra=(--capture "$capture")
 [ "${QUICK:-0}" = 1 ] && extra+=(--quick)
+[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 \
     | tee "$out_dir/decode_bench.log"

@@ -261,7 +261,7 @@ def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(mon
     for use_descriptors in (True, False):
         calls = []
         monkeypatch.setattr(art_decode_module, "_use_tma",
-                            lambda k_cache, v_cache, paged, block_size, leader_scheme, use=use_descriptors:
+                            lambda k_cache, v_cache, paged, block_size, leader_steps, use=use_descriptors:
                             calls.append(use) or use)
         results.append(art_decode(q, k, v, cache_seqlens=seqlens, art=params, block_size=64, num_splits=3,
                                   return_lse=True, return_stats=True))
@@ -274,12 +274,15 @@ def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(mon
 def test_descriptors_are_used_for_small_contiguous_blocks_only():
     q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
     use = art_decode_module._use_tma
-    assert use(k, v, paged=False, block_size=64, leader_scheme=False)
-    assert not use(k, v, paged=False, block_size=128, leader_scheme=False)
-    assert not use(k, v, paged=True, block_size=64, leader_scheme=False)
-    assert not use(k, v, paged=False, block_size=64, leader_scheme=True)
+    assert use(k, v, paged=False, block_size=64, leader_steps=None)
+    assert not use(k, v, paged=False, block_size=128, leader_steps=None)
+    assert not use(k, v, paged=True, block_size=64, leader_steps=None)
+    assert not use(k, v, paged=False, block_size=64, leader_steps=1000)            # leader scheme, D = 64
     misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
-    assert not use(misaligned, v, paged=False, block_size=64, leader_scheme=False)
+    assert not use(misaligned, v, paged=False, block_size=64, leader_steps=None)
+    k128, v128 = torch.zeros(2, 1, 2, 256, 128, dtype=torch.float16)
+    assert use(k128, v128, paged=False, block_size=64, leader_steps=art_decode_module.LEADER_TMA_MIN_STEPS)
+    assert not use(k128, v128, paged=False, block_size=64, leader_steps=art_decode_module.LEADER_TMA_MIN_STEPS - 1)
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
@@ -371,3 +374,27 @@ def test_gpu_ragged_paged_layouts_agree():
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
         for a, b in zip(paged, contiguous):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, seqlen, splits", [(8, 131072, 4), (1, 32768, 16), (2, 32768, 5)])
+def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(batch, seqlen, splits):
+    # the leader scheme's result must not depend on timing: where the leader stopped, the single-split
+    # output bit for bit (the followers' early exits dropped); elsewhere the dense output of that split count
+    q, k, v = synthetic_inputs(batch, 32, 8, seqlen, 128, torch.bfloat16, _cuda(), seed=batch)
+    leader_range = math.ceil(seqlen / 64 / splits)
+    for config in (ARTConfig(), ARTConfig(tau=1e-3, phi=1e-5, patience=8)):
+        params = config.kernel_params()
+        single = art_decode(q, k, v, art=params, num_splits=1)
+        dense = art_decode(q, k, v, num_splits=splits, block_size=64)
+        mismatched_calls = 0
+        for _ in range(20):
+            out, steps = art_decode(q, k, v, art=params, num_splits=splits, return_stats=True)
+            leader = steps[..., 0].repeat_interleave(4, dim=1)
+            is_single = (out == single).all(-1)
+            is_dense = (out == dense).all(-1)
+            # a leader that stopped on the last step of its range visited all of it: either result is right
+            right = torch.where(leader < leader_range, is_single, torch.where(leader == leader_range, is_single | is_dense,
+                                                                                is_dense))
+            mismatched_calls += int(not bool(right.all()))
+        assert mismatched_calls == 0, f"{mismatched_calls} of 20 calls differ ({config})"
