@@ -15,7 +15,11 @@ with a cold L2: do_bench flushes it):
   configuration (``num_warps``, ``num_stages``); and the dense kernel over a sweep of split counts and block sizes 64 / 128.
 
 Every row's ``ms`` is the median GPU time of a CUDA-graph replay of the call (``eager_ms``: the
-plain call, which also pays the host-side launch cost of the Python launcher).
+plain call, which also pays the host-side launch cost of the Python launcher).  The graph times of
+one shape are taken in ``ROUNDS`` interleaved rounds (every implementation once per round, in the
+same order) and ``ms`` is the median over the rounds (``ms_rounds`` keeps each), so that a drift of
+the card during a shape (clocks, power cap) reaches every implementation alike: one-pass full runs
+had shown single rows 6-20 % slow that were not slow when repeated.
 
 KV caches are structured (sink, recency, heavy hitters: a ``make_cache`` callable such as
 ``art_analysis.synthetic.synthetic_cache``, passed in by the CLI since ``kernels`` imports
@@ -35,6 +39,7 @@ import datetime
 import math
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,6 +61,7 @@ CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
 SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
+ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
@@ -151,58 +157,78 @@ def _loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(Non
     return float(loaded.sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / 64))
 
 
-def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False) -> list[dict]:
-    """Time every implementation on one ``(q, k, v)``; one row per implementation."""
+def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False,
+                rounds: int = ROUNDS) -> list[dict]:
+    """Time every implementation on one ``(q, k, v)`` (graph times in ``rounds`` interleaved rounds); one
+    row per implementation."""
     batch, q_heads, head_dim = q.shape
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=False)
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False,
+                               block_size=ART_BLOCK_SIZE)
+    _, steps = art_decode(q, k, v, art=art, return_stats=True)
+    loaded = _loaded_fraction(steps, seqlen)
+    calls = dict(_peer_fns(q, k, v, flex))
+    calls["art_dense"] = lambda: art_decode(q, k, v)
+    calls["art_dense_bs64"] = lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits)
+    calls["art_never"] = lambda: art_decode(q, k, v, art=NEVER, num_splits=splits)
+    calls["art"] = lambda: art_decode(q, k, v, art=art)
+    extras = {"art_dense": dict(num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE),
+              "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
+              "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
+              "art": dict(num_splits=steps.shape[-1], loaded_fraction=loaded)}
+    results = _time_interleaved(calls, rep_ms, rounds)
     rows = []
+    for impl, result in results.items():
+        row = {**base, "impl": impl, **result, **extras.get(impl, {})}
+        if "ms" in row:
+            row.update(tb_per_s=nbytes / row["ms"] / 1e9, fraction_of_copy_ceiling=nbytes / row["ms"] / 1e9 / ceiling)
+        rows.append(row)
+    by_impl = {r["impl"]: r for r in rows}
+    reference = next((calls[p]().squeeze(2).float() for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention")
+                      if "ms" in by_impl.get(p, {})), None)
+    dense = by_impl["art_dense"]
+    if reference is not None and "ms" in dense:
+        dense["rel_error_vs_peer"] = float((art_decode(q, k, v).float() - reference).norm() / reference.norm())
+    if "ms" in by_impl["art"] and "ms" in dense:
+        by_impl["art"]["time_bound_ms"] = 1.15 * loaded * dense["ms"] + 0.010
+        by_impl["art"]["meets_time_bound"] = by_impl["art"]["ms"] <= by_impl["art"]["time_bound_ms"]
+    _speedups(rows)
+    return rows
 
-    def add(impl, fn, **extra):
+
+def _time_interleaved(calls: dict, rep_ms: int, rounds: int) -> dict[str, dict]:
+    """``{impl: {"ms", "ms_rounds", "eager_ms", "timing"} or {"error"}}`` for zero-argument callables
+    (a string value is an error recorded in place of a callable).  Each callable runs and is timed
+    eagerly once; its CUDA-graph time is then taken once per round, every callable in each round."""
+    results, graphed = {}, []
+    for impl, fn in calls.items():
+        if isinstance(fn, str):
+            results[impl] = {"error": fn}
+            continue
         try:
             fn()
             torch.cuda.synchronize()
-            eager = median_ms(fn, rep_ms)
+            results[impl] = {"eager_ms": median_ms(fn, rep_ms)}
         except Exception as exc:  # a peer without a kernel for this shape is a result, not a crash
-            rows.append({**base, "impl": impl, "error": f"{type(exc).__name__}: {str(exc)[:300]}", **extra})
+            results[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             torch.cuda.synchronize()
-            return None
-        try:
-            ms, timing = graph_ms(fn, rep_ms), "cuda_graph"
-        except Exception as exc:  # not capturable: keep the eager time and say why
-            ms, timing = eager, f"eager ({type(exc).__name__}: {str(exc)[:120]})"
-            torch.cuda.synchronize()
-        rows.append({**base, "impl": impl, "ms": ms, "eager_ms": eager, "timing": timing,
-                     "tb_per_s": nbytes / ms / 1e9, "fraction_of_copy_ceiling": nbytes / ms / 1e9 / ceiling, **extra})
-        return ms
-
-    reference = None
-    for name, fn in _peer_fns(q, k, v, flex).items():
-        if isinstance(fn, str):
-            rows.append({**base, "impl": name, "error": fn})
             continue
-        if add(name, fn) is not None and reference is None:
-            reference = fn().squeeze(2).float()
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=False)
-    dense_ms = add("art_dense", lambda: art_decode(q, k, v), num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE)
-    if reference is not None and dense_ms is not None:
-        out = art_decode(q, k, v).float()
-        rows[-1]["rel_error_vs_peer"] = float((out - reference).norm() / reference.norm())
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False,
-                               block_size=ART_BLOCK_SIZE)
-    add("art_dense_bs64", lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits),
-        num_splits=splits, block_size=ART_BLOCK_SIZE)
-    add("art_never", lambda: art_decode(q, k, v, art=NEVER, num_splits=splits), num_splits=splits,
-        block_size=ART_BLOCK_SIZE)
-    _, steps = art_decode(q, k, v, art=art, return_stats=True)
-    loaded = _loaded_fraction(steps, seqlen)
-    ms = add("art", lambda: art_decode(q, k, v, art=art), num_splits=steps.shape[-1], loaded_fraction=loaded)
-    if ms is not None and dense_ms is not None:
-        rows[-1]["time_bound_ms"] = 1.15 * loaded * dense_ms + 0.010
-        rows[-1]["meets_time_bound"] = ms <= rows[-1]["time_bound_ms"]
-    _speedups(rows)
-    return rows
+        try:
+            results[impl].update(ms_rounds=[graph_ms(fn, rep_ms)], timing="cuda_graph")
+            graphed.append(impl)
+        except Exception as exc:  # not capturable: keep the eager time and say why
+            results[impl].update(ms=results[impl]["eager_ms"],
+                                 timing=f"eager ({type(exc).__name__}: {str(exc)[:120]})")
+            torch.cuda.synchronize()
+    for _ in range(rounds - 1):
+        for impl in graphed:
+            results[impl]["ms_rounds"].append(graph_ms(calls[impl], rep_ms))
+    for impl in graphed:
+        results[impl]["ms"] = statistics.median(results[impl]["ms_rounds"])
+    return results
 
 
 def _speedups(rows: list[dict]) -> None:

@@ -69,3 +69,40 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["b1_s32k"] == {"art_dense_ms": 0.06, "best_peer_ms": 0.05}
     assert abs(summary["monitor_overhead_max"] - 0.05) < 1e-12
     assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
+
+
+def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
+    import itertools
+
+    import kernels.bench as bench
+    from art_analysis.synthetic import synthetic_cache
+    from kernels.art_params import ARTParams
+
+    cache = synthetic_cache(batch=2, num_q_heads=4, num_kv_heads=2, seqlen=256, head_dim=64, dtype=torch.float16)
+    q, k, v = cache.q, cache.k, cache.v
+    order = []
+    clock = itertools.count(1)
+
+    def fake_graph_ms(fn, rep_ms):
+        order.append(fn)
+        return float(next(clock))
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_peer_fns", lambda q, k, v, flex: {
+        "cudnn_sdpa": lambda: bench.art_decode(q, k, v)[:, :, None], "flash_sdpa": "no kernel for this shape"})
+    rows = bench.bench_shape(q, k, v, data="synthetic", art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=3)
+    by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["flash_sdpa"] == {**{key: by_impl["art"][key] for key in
+                                        ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
+                                     "impl": "flash_sdpa", "error": "no kernel for this shape"}
+    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art"]
+    # round 1 times each call once in turn (1..5), rounds 2 and 3 repeat the same order (6..10, 11..15)
+    for i, impl in enumerate(timed):
+        assert by_impl[impl]["ms_rounds"] == [1.0 + i, 6.0 + i, 11.0 + i]
+        assert by_impl[impl]["ms"] == 6.0 + i and by_impl[impl]["eager_ms"] == 0.5
+    assert len(order) == 15
+    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 7.0 + 0.010
+    assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
+    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 6.0 / 7.0
