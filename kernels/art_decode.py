@@ -132,6 +132,7 @@ TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 2   # blocks of at most TMA_MAX_BLOCK tokens: two programs' buffers fit
 TMA_MAX_BLOCK = 64
 LEADER_TMA_MIN_STEPS = 32
+RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
@@ -221,7 +222,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     else:
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    num_warps, num_stages = _launch_config(q.device, block_size)
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits)
     block_g = triton.next_power_of_2(group)
     tma = _use_tma(k_cache, v_cache, paged, block_size,
                    leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
@@ -338,13 +339,19 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-@cache
-def _launch_config(device: torch.device, block_size: int) -> tuple[int, int]:
+def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages, and 2 warps for blocks of at most
-    ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return (2 if block_size <= TMA_MAX_BLOCK else 4), 3
-    return 4, 2
+    ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks.  A grid of
+    64-token blocks of ``D = 128`` larger than ``RESIDENT_AT_THREE_STAGES`` programs per
+    multiprocessor gets 2 stages: then 4 programs fit on a multiprocessor instead of 3 (shared
+    memory), so B = 64's 512 programs run in one wave instead of 1.3 (V9)."""
+    if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
+        return 4, 2
+    if block_size > TMA_MAX_BLOCK:
+        return 4, 3
+    if block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device):
+        return 2, 2
+    return 2, 3
 
 
 def _check_tensors(q, k_cache, v_cache, block_table):

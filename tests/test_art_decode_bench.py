@@ -106,3 +106,16 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 7.0 + 0.010
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
     assert by_impl["art_dense"]["speedup_vs_best_peer"] == 6.0 / 7.0
+
+
+def test_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid(monkeypatch):
+    monkeypatch.setattr(art_decode_module.torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    config = art_decode_module._launch_config
+    cuda = torch.device("cuda")
+    assert config(cuda, 64, 128, 3 * 132) == (2, 3)         # B = 32 x 8 KV heads at one split: one wave
+    assert config(cuda, 64, 128, 3 * 132 + 1) == (2, 2)     # B = 64: 512 programs, four per SM at two stages
+    assert config(cuda, 64, 64, 4096) == (2, 3)             # 64-dim tiles: three stages fit more programs
+    assert config(cuda, 32, 128, 4096) == (2, 3)
+    assert config(cuda, 128, 128, 4096) == (4, 3)
+    assert config(torch.device("cpu"), 64, 128, 4096) == (4, 2)
