@@ -390,7 +390,7 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
         mismatched_calls = 0
         for _ in range(20):
             out, steps = art_decode(q, k, v, art=params, num_splits=splits, return_stats=True)
-            leader = steps[..., 0].repeat_interleave(4, dim=1)
+            leader = steps[..., 0].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             is_single = (out == single).all(-1)
             is_dense = (out == dense).all(-1)
             # a leader that stopped on the last step of its range visited all of it: either result is right
