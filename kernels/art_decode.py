@@ -120,6 +120,7 @@ import triton
 from .art_decode_kernel import art_decode_split_kernel
 from .art_params import ARTParams
 from .descriptors import descriptor_ready, prepare_descriptors
+from .device_info import num_sms as _num_sms
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -333,12 +334,6 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_si
 
 
 @cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages, and 2 warps for blocks of at most
     ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks.  A grid of

@@ -29,8 +29,10 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from kernels.block_sparse import KernelConfig, block_sparse_attention, default_config, flexprefill_attention
-from kernels.flexprefill_estimate import _token_means, estimate_block_mask, query_aware_blocks, representative_lines
+from kernels.block_sparse import (KernelConfig, block_sparse_attention, default_config, flexprefill_attention,
+                                  heads_first)
+from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _token_means, estimate_block_mask, query_aware_blocks,
+                                         representative_lines)
 from kernels.results_io import write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
@@ -162,7 +164,8 @@ def bench_case(q, k, v, *, data: str, gammas, tau: float, block_size: int, min_b
     nb = -(-n // block_size)
     causal_tiles = b * hq * nb * (nb + 1) / 2
     base = {"data": data, "batch": b, "num_q_heads": hq, "num_kv_heads": k.shape[1], "seqlen": n, "head_dim": d,
-            "dtype": str(q.dtype).replace("torch.", ""), "block_size": block_size}
+            "dtype": str(q.dtype).replace("torch.", ""), "block_size": block_size,
+            "heads_first": heads_first(config, b * hq * triton.cdiv(n, config.block_m), q.device)}
     group = hq // k.shape[1]
     k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     reference = _sdpa(q, k_rep, v_rep)
@@ -281,6 +284,7 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
             chosen[head_dim] = KernelConfig(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])
             del q, k, v
     payload["kernel_config"] = {f"d{d}": vars(cfg) for d, cfg in chosen.items()}
+    payload["line_sums_config"] = dict(LINE_SUMS_CONFIG)
 
     cases = [("structured", n) for n in lengths] + ([("smollm2", n) for n in lengths] if capture else [])
     rows = []

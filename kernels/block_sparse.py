@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_table_kernel
-from kernels.descriptors import descriptor_ready, prepare_descriptors
+from kernels.descriptors import descriptor_ready
+from kernels.device_info import num_sms
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs
 
@@ -32,14 +34,33 @@ class KernelConfig:
     """Tile shape and launch parameters; ``block_m`` and ``block_n`` must divide the block size.
 
     ``heads_first``: launch order; False walks one head's query tiles (longest first) before the
-    next head's, True runs one query tile of every head side by side (longest first overall).
+    next head's, True runs one query tile of every head side by side (longest first overall), and
+    None (the default) chooses by the grid (:func:`heads_first`).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    heads_first: bool = False
+    heads_first: bool | None = None
+
+
+PROGRAMS_PER_SM = 2  # programs of the default tiles resident on one multiprocessor
+HEADS_FIRST_BELOW = 16  # query tiles per resident program under which heads run side by side
+
+
+def heads_first(config: KernelConfig, programs: int, device: torch.device) -> bool:
+    """The launch order of ``programs`` query tiles: ``config.heads_first`` when set, else side by side
+    when there are fewer than ``HEADS_FIRST_BELOW`` tiles per resident program.
+
+    Head-major order keeps a head's K/V in L2, but on a small grid a head's longest rows start late
+    and finish last.  Measured on an H200 (``benchmarks/NOTES-flexprefill.md``, K3): SmolLM2 at
+    32k (9 heads, 8.7 tiles per resident program) runs 2-12 % faster side by side; at 128k (35) and
+    with 32 heads at 32k (31) it runs 4-14 % slower; the threshold lies between those points.
+    """
+    if config.heads_first is not None:
+        return config.heads_first
+    return programs < HEADS_FIRST_BELOW * PROGRAMS_PER_SM * num_sms(device)
 
 
 def default_config(head_dim: int, block_size: int) -> KernelConfig:
@@ -47,7 +68,7 @@ def default_config(head_dim: int, block_size: int) -> KernelConfig:
     on an H200 (dense causal mask, 32k tokens; ``benchmarks/NOTES-flexprefill.md``, K2): with
     D = 128, 128 x 64 tiles on 4 warps and 2 stages (16.5 ms against 18.3 ms for 128 x 128 on 8
     warps); with D = 64, 128 x 128 tiles on 4 warps and 3 stages (10.4 ms against 11.1 ms for
-    128 x 64).  Small tiles for the CPU interpreter."""
+    128 x 64).  Small tiles for the CPU interpreter.  The launch order is chosen by the grid."""
     if not torch.cuda.is_available():
         tile = min(block_size, 32)
         return KernelConfig(tile, tile, 4, 1)
@@ -96,6 +117,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A host-made descriptor of ``x [B, H, N, D]`` reading ``[1, 1, rows, D]`` blocks."""
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, 1, rows, x.shape[-1]])
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, *,
                            block_size: int = 128, sm_scale: float | None = None, causal: bool = True,
                            return_lse: bool = False, config: KernelConfig | None = None):
@@ -121,21 +147,22 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")
-    prepare_descriptors(q.device)
     q, k, v = (x if descriptor_ready(x) else x.contiguous() for x in (q, k, v))
     cols, counts = column_table(block_mask)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out.new_empty(1, 1, 1)
     q_programs = triton.cdiv(n, cfg.block_m)
-    grid = (b * hq, q_programs) if cfg.heads_first else (q_programs, b * hq)
+    side_by_side = heads_first(cfg, b * hq * q_programs, q.device)
+    grid = (b * hq, q_programs) if side_by_side else (q_programs, b * hq)
+    q_desc, out_desc = (_descriptor(x, cfg.block_m) for x in (q, out))
+    k_desc, v_desc = (_descriptor(x, cfg.block_n) for x in (k, v))
     block_sparse_attention_kernel[grid](
-        q, k, v, out, lse, cols, counts,
-        scale * math.log2(math.e), n, hq, hq // k.shape[1], q_programs,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(), *cols.stride(),
+        q_desc, k_desc, v_desc, out_desc, lse, cols, counts,
+        scale * math.log2(math.e), n, hq, hq // k.shape[1], q_programs, *lse.stride(), *cols.stride(),
         *counts.stride(),
         HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RETURN_LSE=return_lse,
-        HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HEADS_FIRST=side_by_side, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (out, lse) if return_lse else out
 
 
@@ -175,5 +202,5 @@ def flexprefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     return outputs if len(outputs) > 1 else outputs[0]
 
 
-__all__ = ["KernelConfig", "default_config", "column_table", "block_sparse_attention", "flexprefill_attention",
+__all__ = ["KernelConfig", "default_config", "heads_first", "column_table", "block_sparse_attention", "flexprefill_attention",
            "FlexPrefillEstimate", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES"]

@@ -6,11 +6,11 @@ softmax in base 2.  Because the list is ascending and causal, only its last entr
 diagonal block: every earlier block is walked without any mask, and the diagonal block alone
 gets the causal mask.  The readable reference is ``art_analysis.flexprefill.sparse_attention``.
 
-Q, K, V are read and O is written through per-``(batch, head)`` tensor descriptors of shape
-``[N, D]`` (bulk copies on Hopper, built in the kernel; the launcher registers the scratch
-allocator, ``kernels.descriptors``): rows past ``N`` load as zeros and are not stored, so ragged
-lengths need no masks, and the software pipeliner overlaps the copies with the two matrix
-products.  Descriptor coordinates are int32 token indices; the per-head bases are int64.
+Q, K, V are read and O is written through ``[B, H, N, D]`` tensor descriptors made on the host
+and passed by value (bulk copies on Hopper; a descriptor built inside the kernel costs every
+program a tensor-map write and its fences, which short key lists do not repay): rows past ``N``
+load as zeros and are not stored, so ragged lengths need no masks, and the software pipeliner
+overlaps the copies with the two matrix products.  Descriptor coordinates are int32.
 :func:`column_table_kernel` builds the per-row key-block lists from a block mask on the device.
 """
 import triton
@@ -18,13 +18,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, b, kv_h, key_start, offs_m, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over keys ``[key_start, key_start + BLOCK_N)``; returns (acc, m, l).
 
     ``MASKED``: the diagonal block, where key ``j`` is visible to row ``i`` iff ``j <= i`` (keys
     past ``N`` read as zeros and only rows past ``N``, never stored, can see them)."""
-    k = k_desc.load([key_start, 0])
+    k = k_desc.load([b, kv_h, key_start, 0]).reshape(BLOCK_N, HEAD_DIM)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         offs_n = key_start + tl.arange(0, BLOCK_N)
@@ -33,19 +33,15 @@ def _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale,
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([key_start, 0])
+    v = v_desc.load([b, kv_h, key_start, 0]).reshape(BLOCK_N, HEAD_DIM)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
 @triton.jit
 def block_sparse_attention_kernel(
-        Q, K, V, O, LSE, COLS, COUNTS,
+        q_desc, k_desc, v_desc, o_desc, LSE, COLS, COUNTS,
         qk_scale, seqlen, num_q_heads, group, num_q_programs,
-        stride_qb, stride_qh, stride_qn,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh, stride_ln,
         stride_cb, stride_ch, stride_cq, stride_cc,
         stride_nb, stride_nh, stride_nq,
@@ -55,8 +51,8 @@ def block_sparse_attention_kernel(
 
     Grid ``(ceil(N / BLOCK_M), B * Hq)``, or with ``HEADS_FIRST`` ``(B * Hq, ceil(N / BLOCK_M))`` so
     that the query heads of one KV head (and all heads) run the same query tile side by side.
-    Q, O: ``[B, Hq, N, D]``; K, V: ``[B, Hkv, N, D]`` (unit stride in D, 16-byte aligned bases and
-    strides); LSE: ``[B, Hq, N]`` float32 (natural log); COLS: ``[B, Hq, nb, >= max count]`` int32
+    q_desc, o_desc: descriptors of ``[B, Hq, N, D]`` tensors, k_desc, v_desc of ``[B, Hkv, N, D]``, with
+    blocks ``[1, 1, BLOCK_M or BLOCK_N, D]``; LSE: ``[B, Hq, N]`` float32 (natural log); COLS: ``[B, Hq, nb, >= max count]`` int32
     ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.  ``qk_scale`` = softmax scale * log2(e).
     BLOCK_M and BLOCK_N divide BLOCK_SIZE.
     """
@@ -67,25 +63,18 @@ def block_sparse_attention_kernel(
     else:
         pid_m = num_q_programs - 1 - tl.program_id(0)
         pid_bh = tl.program_id(1)
-    b = (pid_bh // num_q_heads).to(tl.int64)
-    h = (pid_bh % num_q_heads).to(tl.int64)
+    b = pid_bh // num_q_heads
+    h = pid_bh % num_q_heads
     kv_h = h // group
     q_block = (pid_m * BLOCK_M) // BLOCK_SIZE
     first_row = pid_m * BLOCK_M
-
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[seqlen, HEAD_DIM],
-                                       strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kv_h * stride_kh, shape=[seqlen, HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kv_h * stride_vh, shape=[seqlen, HEAD_DIM],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[seqlen, HEAD_DIM],
-                                       strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM])
     offs_m = first_row + tl.arange(0, BLOCK_M)
-    q = q_desc.load([first_row, 0])
+    q = q_desc.load([b, h, first_row, 0]).reshape(BLOCK_M, HEAD_DIM)
 
-    cols = COLS + b * stride_cb + h * stride_ch + q_block * stride_cq
-    count = tl.load(COUNTS + b * stride_nb + h * stride_nh + q_block * stride_nq)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    cols = COLS + b64 * stride_cb + h64 * stride_ch + q_block * stride_cq
+    count = tl.load(COUNTS + b64 * stride_nb + h64 * stride_nh + q_block * stride_nq)
     last = tl.load(cols + (count - 1) * stride_cc, mask=count > 0, other=-1)
     has_diagonal = last == q_block
     unmasked_steps = (count - has_diagonal.to(tl.int32)) * SUB_TILES
@@ -96,21 +85,22 @@ def block_sparse_attention_kernel(
     for step in range(0, unmasked_steps):
         col = tl.load(cols + (step // SUB_TILES) * stride_cc)
         key_start = col * BLOCK_SIZE + (step % SUB_TILES) * BLOCK_N
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale, BLOCK_N, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, b, kv_h, key_start, offs_m, qk_scale,
+                                     HEAD_DIM, BLOCK_N, False)
     if has_diagonal:
         diagonal_steps = (first_row + BLOCK_M - 1 - q_block * BLOCK_SIZE) // BLOCK_N + 1
         for sub in range(0, diagonal_steps):
             key_start = q_block * BLOCK_SIZE + sub * BLOCK_N
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, key_start, offs_m, qk_scale, BLOCK_N,
-                                         True)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_desc, v_desc, b, kv_h, key_start, offs_m, qk_scale,
+                                         HEAD_DIM, BLOCK_N, True)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_desc.store([first_row, 0], out.to(O.dtype.element_ty))
+    o_desc.store([b, h, first_row, 0], out.to(q.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     if RETURN_LSE:
         lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453,
                        float("-inf"))
-        tl.store(LSE + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_ln, lse, mask=offs_m < seqlen)
+        tl.store(LSE + b64 * stride_lb + h64 * stride_lh + offs_m.to(tl.int64) * stride_ln, lse, mask=offs_m < seqlen)
 
 
 @triton.jit

@@ -1,13 +1,15 @@
 """On-device FlexPrefill estimation: representative attention, vertical-slash selection and the
 pattern search in Triton; the query-aware search in Triton around one torch sort.
 
-Up to the pattern decision a call is a fixed sequence of about ten launches (row statistics,
-their log-sum-exp, line sums, one sort of the lines, the fused vertical-slash selection, key
-block means, the JS pattern search, the vertical-slash mask), with no host synchronisation:
-the host launch cost, not the GPU work, bounded the calls at 32k tokens.  One synchronisation
-then reads which heads the pattern search made query-aware, so that the query-aware search (an
-``nb x nb`` map per head, sorted whole) runs for those heads only; most heads of real models are
-vertical-slash.  It implements the rules of ``art_analysis.flexprefill.select_blocks`` (the
+Up to the pattern decision a call is a fixed sequence of launches (row statistics, their
+log-sum-exp, line sums, the lines' block sums, key block means, the JS pattern search), with no
+host synchronisation: the host launch cost, not the GPU work, bounded the calls at 32k tokens.
+The one synchronisation then reads which heads the pattern search made query-aware, so that the
+query-aware search (an ``nb x nb`` map per head, sorted whole) runs for those heads only; most
+heads of real models are vertical-slash.  The pattern is copied to pinned host memory and the
+vertical-slash selection (one sort of the lines, budgets and kept blocks, the mask) is queued
+behind the copy, so the device works on it while the host waits and launches what follows.
+It implements the rules of ``art_analysis.flexprefill.select_blocks`` (the
 readable reference the tests hold it to; see that module for the algorithm and for the upstream
 quirk flags): the block masks are identical except where a coverage sum lands within float
 rounding of ``gamma``, since sums are taken in another order (tiled scans on long rows).
@@ -21,7 +23,7 @@ import torch
 import triton
 
 from kernels.flexprefill_estimate_kernel import (block_means_kernel, chunk_sums_kernel, js_pattern_kernel,
-                                                 query_aware_rows_kernel, query_aware_select_kernel,
+                                                 line_blocks_kernel, query_aware_rows_kernel, query_aware_select_kernel,
                                                  representative_line_sums_kernel, representative_row_stats_kernel,
                                                  row_lse_kernel, row_ties_kernel, sorted_coverage_kernel,
                                                  vertical_slash_mask_kernel, vertical_slash_select_kernel)
@@ -47,7 +49,7 @@ class FlexPrefillEstimate:
     lines: torch.Tensor
 
 
-LINE_SUMS_CONFIG = {"block_n": 64, "split": 2}
+LINE_SUMS_CONFIG = {"block_n": None, "split": 2}  # block_n None: 32 keys a step for D <= 64, else 64 (H200 sweep)
 
 
 def _launch_config(rows: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -58,7 +60,7 @@ def _launch_config(rows: int, head_dim: int) -> tuple[int, int, int, int]:
     is as wide as the tile), the row-statistics kernel, which has no shear, ``2 * BLOCK_N``.
     """
     row_tile = max(16, triton.next_power_of_2(rows))
-    block_n = min(row_tile, LINE_SUMS_CONFIG["block_n"])
+    block_n = min(row_tile, LINE_SUMS_CONFIG["block_n"] or (32 if head_dim <= 64 else 64))
     split = LINE_SUMS_CONFIG["split"] if row_tile >= 64 else 1
     return row_tile, block_n, split, 8 if row_tile * head_dim >= 128 * 64 else 4
 
@@ -118,28 +120,37 @@ def _token_means(x: torch.Tensor, block_size: int, heads: torch.Tensor | None = 
     return out.view(b, h, nb, d) if heads.numel() == b * h else out[None]
 
 
-def vertical_slash_blocks(lines: torch.Tensor, *, gamma: float, block_size: int, lowest: int, highest: int,
-                          divisor: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Budgets and kept blocks of the vertical-slash pattern from ``lines [B, Hq, 2, N]`` (contiguous).
-
-    Returns the kept columns and diagonals ``[B, Hq, 2, nb]`` int8, the budgets ``[B, Hq, 2]``
-    (blocks) and the block-pooled lines ``[B, Hq, 2, nb]``.
-    """
+def pooled_lines(lines: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, Hq, 2, nb]`` float32: the block sums of ``lines [B, Hq, 2, N]`` (contiguous)."""
     b, hq, _, n = lines.shape
     nb = -(-n // block_size)
-    ordered = lines.sort(dim=-1, descending=True).values
     pooled = torch.empty(b, hq, 2, nb, dtype=torch.float32, device=lines.device)
+    block_tokens = triton.next_power_of_2(block_size)
+    flat, flat_pooled = lines.view(-1, n), pooled.view(-1, nb)
+    line_blocks_kernel[(b * hq * 2,)](flat, flat_pooled, n, nb, block_size, *flat.stride(), *flat_pooled.stride(),
+                                      BLOCKS=max(1, 4096 // block_tokens), BLOCK_TOKENS=block_tokens, num_warps=8)
+    return pooled
+
+
+def vertical_slash_blocks(lines: torch.Tensor, pooled: torch.Tensor, *, gamma: float, lowest: int, highest: int,
+                          divisor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Budgets and kept blocks of the vertical-slash pattern from ``lines [B, Hq, 2, N]`` and their
+    block sums ``pooled [B, Hq, 2, nb]`` (:func:`pooled_lines`; both contiguous).
+
+    Returns the kept columns and diagonals ``[B, Hq, 2, nb]`` int8 and the budgets ``[B, Hq, 2]``
+    (blocks).
+    """
+    b, hq, _, n = lines.shape
+    nb = pooled.shape[-1]
+    ordered = lines.sort(dim=-1, descending=True).values.view(-1, n)
     kept = torch.empty(b, hq, 2, nb, dtype=torch.int8, device=lines.device)
     budgets = torch.empty(b, hq, 2, dtype=torch.long, device=lines.device)
-    block_tokens = triton.next_power_of_2(block_size)
-    flat = lines.view(-1, n)
+    flat_pooled, flat_kept = pooled.view(-1, nb), kept.view(-1, nb)
     vertical_slash_select_kernel[(b * hq * 2,)](
-        flat, ordered.view(-1, n), pooled.view(-1, nb), kept.view(-1, nb), budgets.view(-1), n, nb, block_size,
-        gamma, divisor, lowest, highest, *flat.stride(), *ordered.view(-1, n).stride(), *pooled.view(-1, nb).stride(),
-        *kept.view(-1, nb).stride(), 1, TILE=min(4096, max(16, triton.next_power_of_2(n))),
-        BLOCKS=max(1, 4096 // block_tokens), BLOCK_TOKENS=block_tokens, NB=max(16, triton.next_power_of_2(nb)),
-        num_warps=8)
-    return kept, budgets, pooled
+        ordered, flat_pooled, flat_kept, budgets.view(-1), n, nb, gamma, divisor, lowest, highest,
+        *ordered.stride(), *flat_pooled.stride(), *flat_kept.stride(), 1,
+        TILE=min(4096, max(16, triton.next_power_of_2(n))), NB=max(16, triton.next_power_of_2(nb)), num_warps=8)
+    return kept, budgets
 
 
 def js_pattern_distance(q: torch.Tensor, key_means: torch.Tensor, truth: torch.Tensor, *, rows: int, scale: float,
@@ -210,6 +221,17 @@ def query_aware_blocks(query_means: torch.Tensor, key_means: torch.Tensor, *, ga
     return out
 
 
+def _copy_to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``x`` on the host, and on CUDA the event after which the (asynchronous) copy is complete."""
+    if x.device.type != "cuda":
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
 def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: float = 0.1,
                         block_size: int = 128, min_budget: int = 1024, max_budget: int | None = None,
                         sm_scale: float | None = None, budget_divisor: int | None = None,
@@ -230,15 +252,23 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     highest = nb if max_budget is None else min(-(-max_budget // block_size), nb)
 
     lines = representative_lines(q, k, block_size=block_size, sm_scale=scale, keys_per_program=keys_per_program)
-    kept, budgets, pooled_lines = vertical_slash_blocks(
-        lines, gamma=gamma, block_size=block_size, lowest=lowest, highest=highest,
-        divisor=block_size if budget_divisor is None else budget_divisor)
+    pooled = pooled_lines(lines, block_size)
     key_means = _token_means(k, block_size)
-    js, pattern = js_pattern_distance(q, key_means, pooled_lines[:, :, 0], rows=min(block_size, n), scale=scale,
-                                      tau=tau, js_eps=js_eps)
+    js, pattern = js_pattern_distance(q, key_means, pooled[:, :, 0], rows=min(block_size, n), scale=scale, tau=tau,
+                                      js_eps=js_eps)
+    # the one host synchronisation: which heads are query-aware.  The pattern is copied to the host
+    # first, and the vertical-slash selection is queued behind the copy, so the device keeps working
+    # while the host waits and then launches the query-aware search.
+    pattern_on_host, copied = _copy_to_host(pattern)
+    kept, budgets = vertical_slash_blocks(lines, pooled, gamma=gamma, lowest=lowest, highest=highest,
+                                          divisor=block_size if budget_divisor is None else budget_divisor)
     mask = vertical_slash_mask(kept)
-    aware_heads = pattern.flatten().nonzero().squeeze(1)  # the one host synchronisation
+    if copied is not None:
+        copied.synchronize()
+    aware_heads = pattern_on_host.flatten().nonzero().squeeze(1)
     if aware_heads.numel():
+        # from pinned memory: a copy from pageable memory would wait for the queued selection
+        aware_heads = aware_heads.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else aware_heads
         b_idx, h_idx = aware_heads // q.shape[1], aware_heads % q.shape[1]
         group = q.shape[1] // k.shape[1]
         aware = query_aware_blocks(_token_means(q, block_size, aware_heads), key_means[b_idx, h_idx // group][None],

@@ -23,7 +23,7 @@ Addresses: int64 bases per head and tile, int32 offsets inside a tile.  The read
 reference is ``art_analysis.flexprefill.representative_attention``.
 
 The selection that follows is fused into a few small kernels (:func:`row_lse_kernel`,
-:func:`vertical_slash_select_kernel`, :func:`js_pattern_kernel`,
+:func:`line_blocks_kernel`, :func:`vertical_slash_select_kernel`, :func:`js_pattern_kernel`,
 :func:`vertical_slash_mask_kernel`), one launch each, with thresholds passed at run time.
 """
 import triton
@@ -153,7 +153,7 @@ def representative_line_sums_kernel(
             if SPLIT == 2:
                 part += tl.where((lag + SUB) // BLOCK_N == s, sheared_hi, 0.0)
             tl.atomic_add(SLASH + line_base + distance * stride_vn, tl.sum(part, 0),
-                          mask=(distance >= 0) & (distance < seqlen))
+                          mask=(distance >= 0) & (distance < seqlen), sem="relaxed")
 
 
 @triton.jit
@@ -226,19 +226,32 @@ def _largest(bits, count):
 
 
 @triton.jit
-def vertical_slash_select_kernel(LINES, SORTED, POOLED, KEPT, BUDGETS, seqlen, num_blocks, block_size, gamma,
-                                 divisor, lowest, highest,
-                                 stride_ll, stride_ln, stride_sl, stride_sn, stride_pl, stride_pn,
-                                 stride_kl, stride_kn, stride_bl,
-                                 TILE: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                                 NB: tl.constexpr):
+def line_blocks_kernel(LINES, POOLED, seqlen, num_blocks, block_size, stride_ll, stride_ln, stride_pl, stride_pn,
+                       BLOCKS: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    """``POOLED [l, nb]``: the block sums of line ``LINES [l, N]`` (program ``l``).  ``BLOCKS`` blocks
+    of ``BLOCK_TOKENS`` (>= block_size) are pooled a step."""
+    line = tl.program_id(0).to(tl.int64)
+    offs_b = tl.arange(0, BLOCKS)
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    for first in range(0, num_blocks, BLOCKS):
+        blocks = first + offs_b
+        tokens_at = blocks[:, None].to(tl.int64) * block_size + offs_t[None, :]
+        ok = (offs_t[None, :] < block_size) & (tokens_at < seqlen)
+        values = tl.load(LINES + line * stride_ll + tokens_at * stride_ln, mask=ok, other=0.0)
+        tl.store(POOLED + line * stride_pl + blocks * stride_pn, tl.sum(values, 1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def vertical_slash_select_kernel(SORTED, POOLED, KEPT, BUDGETS, seqlen, num_blocks, gamma, divisor, lowest, highest,
+                                 stride_sl, stride_sn, stride_pl, stride_pn, stride_kl, stride_kn, stride_bl,
+                                 TILE: tl.constexpr, NB: tl.constexpr):
     """Budget and kept blocks of one normalised line (program ``l`` of the ``B * Hq * 2`` lines).
 
     ``SORTED``: the lines sorted descending; the token budget is the fewest entries whose running
     sum reaches ``gamma`` (capped at N), in blocks ``clamp(ceil(tokens / divisor), lowest, highest)``
-    -> ``BUDGETS [l]`` (int64).  ``POOLED [l, nb]``: block sums of ``LINES``.  ``KEPT [l, nb]``
-    (int8): the budget's largest pooled entries, ties lowest index first.  ``BLOCKS`` blocks of
-    ``BLOCK_TOKENS`` (>= block_size) are pooled a step; ``NB`` >= nb holds the pooled line.
+    -> ``BUDGETS [l]`` (int64).  ``KEPT [l, nb]`` (int8): the budget's largest entries of the
+    line's block sums ``POOLED [l, nb]`` (:func:`line_blocks_kernel`), ties lowest index first.
+    ``NB`` >= nb holds the pooled line.
     """
     line = tl.program_id(0).to(tl.int64)
     sorted_base = SORTED + line * stride_sl
@@ -255,20 +268,9 @@ def vertical_slash_select_kernel(LINES, SORTED, POOLED, KEPT, BUDGETS, seqlen, n
     budget = tl.minimum(tl.maximum((tokens + divisor - 1) // divisor, lowest), highest)
     tl.store(BUDGETS + line * stride_bl, budget.to(tl.int64))
 
-    pooled_base = POOLED + line * stride_pl
-    offs_b = tl.arange(0, BLOCKS)
-    offs_t = tl.arange(0, BLOCK_TOKENS)
-    for first in range(0, num_blocks, BLOCKS):
-        blocks = first + offs_b
-        tokens_at = blocks[:, None].to(tl.int64) * block_size + offs_t[None, :]
-        ok = (offs_t[None, :] < block_size) & (tokens_at < seqlen)
-        values = tl.load(LINES + line * stride_ll + tokens_at * stride_ln, mask=ok, other=0.0)
-        tl.store(pooled_base + blocks * stride_pn, tl.sum(values, 1), mask=blocks < num_blocks)
-    tl.debug_barrier()
-
     offs_nb = tl.arange(0, NB)
     valid = offs_nb < num_blocks
-    pooled = tl.load(pooled_base + offs_nb * stride_pn, mask=valid, other=0.0)
+    pooled = tl.load(POOLED + line * stride_pl + offs_nb * stride_pn, mask=valid, other=0.0)
     kept = _largest(tl.where(valid, pooled.to(tl.int32, bitcast=True), -1), budget)
     tl.store(KEPT + line * stride_kl + offs_nb * stride_kn, kept.to(tl.int8), mask=valid)
 
@@ -376,7 +378,8 @@ def query_aware_rows_kernel(QUERY_MEANS, KEY_MEANS, POOLED, LIMITS, num_blocks, 
     """Row ``r`` (``program_id(0)``) of a query-aware head's block map (grid ``(nb, B * Hq)``).
 
     ``POOLED [B, Hq, nb, nb]`` float32: ``softmax(QUERY_MEANS[r] . KEY_MEANS[c]^T * scale)`` over
-    ``c <= r``, 0 above the diagonal.  ``LIMITS [1 + CAPPED, B, Hq, nb, nb]`` (uint8, plane stride
+    ``c <= r``, 0 above the diagonal (the row's logits are stored there first, so that they are
+    computed once).  ``LIMITS [1 + CAPPED, B, Hq, nb, nb]`` (uint8, plane stride
     ``stride_lp``, else POOLED's strides): plane 0 = the row's ``lowest`` largest entries or block 0
     or the diagonal; with ``CAPPED`` (``highest < nb``), plane 1 = its ``highest`` largest entries;
     both block-causal.  ``FEW``: ``lowest`` is small enough for :func:`_largest_few`.
@@ -389,20 +392,21 @@ def query_aware_rows_kernel(QUERY_MEANS, KEY_MEANS, POOLED, LIMITS, num_blocks, 
     query = tl.load(QUERY_MEANS + b * stride_qb + h * stride_qh + r.to(tl.int64) * stride_qn + offs_d * stride_qd)
     key_base = KEY_MEANS + b * stride_kb + (h // group) * stride_kh
     offs_c = tl.arange(0, BLOCK_TILE)
+    row_offs = b * stride_pb + h * stride_ph + r.to(tl.int64) * stride_pr
     m_i = float("-inf")
     l_i = 0.0
     for first in range(0, r + 1, BLOCK_TILE):
-        logits = _block_logits(key_base, query, first + offs_c, first + offs_c <= r, scale, stride_kn, stride_kd,
-                               HEAD_DIM)
+        cols = first + offs_c
+        logits = _block_logits(key_base, query, cols, cols <= r, scale, stride_kn, stride_kd, HEAD_DIM)
+        tl.store(POOLED + row_offs + cols * stride_pc, logits, mask=cols <= r)  # read back below, not recomputed
         m_new = tl.maximum(m_i, tl.max(logits, 0))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new), 0)
         m_i = m_new
-    row_offs = b * stride_pb + h * stride_ph + r.to(tl.int64) * stride_pr
+    tl.debug_barrier()
     for first in range(0, num_blocks, BLOCK_TILE):
         cols = first + offs_c
-        logits = _block_logits(key_base, query, cols, cols <= r, scale, stride_kn, stride_kd, HEAD_DIM)
-        probs = tl.exp(logits - m_i) / l_i
-        tl.store(POOLED + row_offs + cols * stride_pc, probs, mask=cols < num_blocks)
+        logits = tl.load(POOLED + row_offs + cols * stride_pc, mask=cols <= r, other=float("-inf"))
+        tl.store(POOLED + row_offs + cols * stride_pc, tl.exp(logits - m_i) / l_i, mask=cols < num_blocks)
     tl.debug_barrier()
 
     cols = tl.arange(0, NB)

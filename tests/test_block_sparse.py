@@ -8,10 +8,12 @@ import torch
 
 from art_analysis.flexprefill import relative_error, representative_attention, select_blocks, sparse_attention
 from kernels.bench_flexprefill import structured_prefill
-from kernels.block_sparse import KernelConfig, block_sparse_attention, column_table, flexprefill_attention
+import kernels.block_sparse as block_sparse_module
+from kernels.block_sparse import (KernelConfig, block_sparse_attention, column_table, flexprefill_attention,
+                                  heads_first)
 from art_analysis.flexprefill import coverage_count, query_aware_mask
 from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, estimate_block_mask, query_aware_blocks,
-                                         representative_lines, vertical_slash_blocks)
+                                         pooled_lines, representative_lines, vertical_slash_blocks)
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float16, device="cpu", seed=0):
@@ -66,6 +68,29 @@ def test_kernel_matches_reference_fp16(hq, hkv, n, d, bs, config):
     err = (out.double() - ref).abs().max()
     assert err <= 3 * (fp16_torch.double() - ref).abs().max() + 1e-3
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+def test_launch_order_is_side_by_side_only_on_small_grids(monkeypatch):
+    monkeypatch.setattr(block_sparse_module, "num_sms", lambda device: 132)
+    auto = KernelConfig(128, 64, 4, 2)
+    slots = block_sparse_module.PROGRAMS_PER_SM * 132
+    threshold = block_sparse_module.HEADS_FIRST_BELOW * slots
+    cuda = torch.device("cuda")
+    assert heads_first(auto, 9 * 256, cuda)                      # SmolLM2 at 32k: 8.7 tiles per slot
+    assert not heads_first(auto, 9 * 1024, cuda)                 # SmolLM2 at 128k
+    assert not heads_first(auto, 32 * 256, cuda)                 # 32 heads at 32k
+    assert heads_first(auto, threshold - 1, cuda) and not heads_first(auto, threshold, cuda)
+    assert not heads_first(KernelConfig(128, 64, 4, 2, heads_first=False), 1, cuda)
+    assert heads_first(KernelConfig(128, 64, 4, 2, heads_first=True), 10 ** 9, cuda)
+
+
+@pytest.mark.parametrize("order", [True, False])
+def test_both_launch_orders_give_the_same_output(order):
+    q, k, v = _inputs(1, 4, 2, 160, 64, seed=6)
+    mask = _random_mask(1, 4, 5, 0.5, seed=6)
+    auto = block_sparse_attention(q, k, v, mask, block_size=32)
+    forced = block_sparse_attention(q, k, v, mask, block_size=32, config=KernelConfig(32, 32, 4, 1, heads_first=order))
+    assert torch.equal(auto, forced)
 
 
 def test_kernel_reads_strided_and_unaligned_views_like_contiguous_inputs():
@@ -125,7 +150,7 @@ def test_line_budgets_equal_the_sorted_prefix_with_ties(gamma):
     # (0.125 x 4, 0.0625 x 4) and on them (0.5, 0.875, 1.0), and below the total (1.0 = gamma)
     values = torch.tensor([0.0625, 0.125, 0.0, 0.25, 0.125, 0.0625, 0.125, 0.0625, 0.125, 0.0625, 0.0, 0.0])
     lines = torch.stack((values, values.flip(0))).view(1, 1, 2, -1)
-    _, budgets, _ = vertical_slash_blocks(lines, gamma=gamma, block_size=4, lowest=0, highest=3, divisor=1)
+    _, budgets = vertical_slash_blocks(lines, pooled_lines(lines, 4), gamma=gamma, lowest=0, highest=3, divisor=1)
     expected = coverage_count(lines, gamma).clamp(max=3)
     assert torch.equal(budgets, expected), (gamma, budgets, expected)
 
