@@ -112,7 +112,6 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 
 import torch
 import triton
@@ -333,7 +332,6 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_si
     return True
 
 
-@cache
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages, and 2 warps for blocks of at most
     ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks.  A grid of
