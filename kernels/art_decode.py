@@ -80,17 +80,27 @@ programs per multiprocessor instead: two programs' three-stage K/V buffers fit i
 and a co-resident program hides the leader's monitor latency (never-stopping ART over dense at
 B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two; dense itself 5 % faster).
 
-**Loads and launch shape** (``benchmarks/NOTES-art-decode.md``, V7).  With blocks of at most
-``TMA_MAX_BLOCK`` tokens on the contiguous layout, K and V tiles are read through per-sequence
-tensor descriptors (``kernels.descriptors``: one bulk copy per tile, rows past the length read
-as zeros), which removes the per-row address arithmetic and masks from the monitor's walk (a
+**Uniform lengths** (``benchmarks/NOTES-art-decode.md``, V11).  When every sequence has the same
+length (no ``cache_seqlens``, or equal ones: the launcher already reads their min and max), the
+kernel takes that length as a scalar argument: no lengths tensor is made per call (a fill kernel,
+which a CUDA graph replays too) and no program waits for a length load before its first K/V loads.
+B = 1, S = 32k dense: 0.0500 -> 0.0481 ms (cuDNN SDPA 0.0493 ms in the same run); results
+bit-identical to the ragged path.
+
+**Loads and launch shape** (``benchmarks/NOTES-art-decode.md``, V7, V11).  With blocks of at most
+``TMA_MAX_BLOCK`` tokens on the contiguous layout, K and V tiles are read through tensor
+descriptors (``kernels.descriptors``: one bulk copy per tile, rows past the length read as
+zeros), which removes the per-row address arithmetic and masks from the monitor's walk (a
 leader step compiles to ~495 instead of ~610 instructions per warp), and programs run 2 warps;
-128-token dense blocks keep pointer loads and 4 warps, measured 0.2-5 % faster that way.  The
-paged layout always uses pointer loads (its rows are gathered through the page table).  The ART
-leader scheme (several splits with a monitor) uses descriptors only for ``D = 128`` and splits of
-at least ``LEADER_TMA_MIN_STEPS`` blocks (V8: never-stopping B = 8, S = 128k 1.119 -> 1.035 ms,
-leader scheme B = 1, S = 128k 0.124 -> 0.095 ms; SmolLM2's 64-dim walks of 6-47 blocks per split
-were 2-8 % slower with them).  Descriptor and pointer loads give bit-identical results.
+128-token dense blocks keep pointer loads and 4 warps, measured 0.2-5 % faster that way.  With
+uniform lengths the launcher makes one pair of ``[B, Hkv, len, D]`` descriptors, passed by value
+(B = 1, S = 32k, 64-token dense walks 0.0541 -> 0.0501 ms; SmolLM2 never-stopping leader scheme,
+B = 32, S = 128k: 1.181 ms with pointer loads, 1.125 with them); with ragged lengths each
+program makes its sequence's, a fixed cost per program, so the ART leader scheme (several
+splits with a monitor) then uses them only for ``D = 128`` and splits of at least
+``LEADER_TMA_MIN_STEPS`` blocks (V8: SmolLM2's 64-dim walks of 6-47 blocks per split were 2-8 %
+slower with them).  The paged layout always uses pointer loads (its rows are gathered through
+the page table).  All three ways of loading give bit-identical results.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one
@@ -118,7 +128,7 @@ import triton
 
 from .art_decode_kernel import art_decode_split_kernel
 from .art_params import ARTParams
-from .descriptors import descriptor_ready, prepare_descriptors
+from .descriptors import descriptor_ready, host_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 
 ORDERS = ("sequential", "sink_recency")
@@ -197,7 +207,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
     seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device)
     if paged:
-        _check_block_table(block_table, seqlens, k_cache.shape[1], k_cache.shape[0])
+        _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None, block_size)
@@ -215,7 +225,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
         arrivals, flag = _arrival_counters(q.device, batch * kv_heads).unbind(0)
     monitor = art if art is not None else ARTParams()
-    table = block_table if paged else seqlens
+    table = block_table if paged else steps          # steps: a placeholder pointer, never read
+    lengths = steps if seqlens is None else seqlens
     if paged:
         strides_k = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
         strides_v = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
@@ -224,16 +235,19 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits)
     block_g = triton.next_power_of_2(group)
-    tma = _use_tma(k_cache, v_cache, paged, block_size,
-                   leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
+    loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
+                      leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
+    k_arg, v_arg = k_cache, v_cache
+    if loads == "host_descriptors":
+        k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
-        q, k_cache, v_cache, table, seqlens,
+        q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, flag, arrivals,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
-        kv_heads, num_splits, k_cache.shape[1] if paged else 1,
+        kv_heads, num_splits, k_cache.shape[1] if paged else 1, max_len,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
-        table.stride(0), out.stride(0), out.stride(1),
+        table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_size, HEAD_DIM=head_dim,
         PAGED=paged, SINK_RECENCY=order == "sink_recency", SINGLE_SPLIT=single,
         ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
@@ -242,7 +256,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
-        TMA=tma, num_warps=num_warps, num_stages=num_stages)
+        RAGGED=seqlens is not None, LOADS=loads, num_warps=num_warps, num_stages=num_stages)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
@@ -316,20 +330,26 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
     return counters
 
 
-def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *,
-             leader_steps: int | None) -> bool:
-    """Whether K and V tiles are read through tensor descriptors (bulk copies): contiguous layout,
-    blocks of at most ``TMA_MAX_BLOCK`` tokens and tensors a descriptor can address.  In the ART
-    leader scheme (``leader_steps``: blocks per split, ``None`` otherwise) only for ``D = 128`` and
-    at least ``LEADER_TMA_MIN_STEPS`` blocks per split: each program builds its descriptors, which
-    did not pay off on shorter walks or on ``D = 64`` tiles (``benchmarks/NOTES-art-decode.md``, V8)."""
+def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *, uniform: bool,
+              leader_steps: int | None) -> str:
+    """How the kernel reads K and V tiles (``art_decode_split_kernel``'s ``LOADS``).
+
+    Tensor descriptors (bulk copies) on the contiguous layout for blocks of at most ``TMA_MAX_BLOCK``
+    tokens and tensors a descriptor can address, else pointer loads.  With uniform lengths the launcher
+    makes them (``"host_descriptors"``: one pair for the whole cache, bounded at the length); with ragged
+    lengths each program makes its sequence's (``"kernel_descriptors"``), a fixed cost per program that
+    short walks do not repay, so in the ART leader scheme (``leader_steps``: blocks per split, ``None``
+    otherwise) only for ``D = 128`` and at least ``LEADER_TMA_MIN_STEPS`` blocks per split
+    (``benchmarks/NOTES-art-decode.md``, V8)."""
     if (paged or block_size > TMA_MAX_BLOCK
             or not (descriptor_ready(k_cache) and descriptor_ready(v_cache))):
-        return False
+        return "pointers"
+    if uniform:
+        return "host_descriptors"
     if leader_steps is not None and (k_cache.shape[-1] != 128 or leader_steps < LEADER_TMA_MIN_STEPS):
-        return False
+        return "pointers"
     prepare_descriptors(k_cache.device)
-    return True
+    return "kernel_descriptors"
 
 
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int) -> tuple[int, int]:
@@ -396,11 +416,13 @@ def _check_tensors(q, k_cache, v_cache, block_table):
 
 
 def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
-    """``(seqlens [B] int32 on device, max length)``; validates ``1 <= len <= capacity`` (one sync)."""
+    """``(seqlens, max length)``: ``seqlens`` the ``[B]`` int32 lengths on the device when they differ,
+    ``None`` when every sequence has the max length (the kernel then takes it as a scalar).  Validates
+    ``1 <= len <= capacity`` (one sync)."""
     if cache_seqlens is None:
         if capacity < 1:
             raise ValueError(f"the KV cache holds no token ({capacity_name} = {capacity}); it needs at least one")
-        return torch.full((batch,), capacity, dtype=torch.int32, device=device), capacity
+        return None, capacity
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor [B], got {type(cache_seqlens).__name__}")
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
@@ -415,13 +437,17 @@ def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
     if high > capacity:
         raise ValueError(f"cache_seqlens holds a length of {high} beyond the capacity of {capacity} tokens "
                          f"({capacity_name})")
-    return cache_seqlens.to(torch.int32).contiguous(), high
+    return (None if low == high else cache_seqlens.to(torch.int32).contiguous()), high
 
 
 def _check_block_table(block_table, seqlens, page_size, num_pages):
-    """Every page a sequence uses must be a valid page id (one sync)."""
-    pages_used = (seqlens.to(torch.int64) + page_size - 1) // page_size
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
+    """Every page a sequence uses must be a valid page id (one sync).  ``seqlens``: ``[B]`` lengths, or
+    one length (an int) for every sequence."""
+    if isinstance(seqlens, int):
+        pages_used = -(-seqlens // page_size)
+    else:
+        pages_used = ((seqlens.to(torch.int64) + page_size - 1) // page_size)[:, None]
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, p = (int(i) for i in bad.nonzero()[0])

@@ -70,28 +70,34 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, sm_scale,
-                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _load_tile(src, rows, valid, first_row, b, kv_head,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, LOADS: tl.constexpr):
+    """The ``[BLOCK_N, D]`` K or V tile of one step (``LOADS``: see ``art_decode_split_kernel``)."""
+    if LOADS == "host_descriptors":
+        tile = src.load([b, kv_head, first_row, 0]).reshape(BLOCK_N, HEAD_DIM)
+    elif LOADS == "kernel_descriptors":
+        tile = src.load([first_row, 0])
+    else:
+        tile = tl.load(src + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, b, kv_head, sm_scale,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """One step of the online softmax: returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.
 
-    ``k_src``, ``v_src``: with ``TMA`` the sequence's ``[seqlen, D]`` tensor descriptors (one bulk
-    copy per tile from ``first_row``; rows past the length read as zeros), else base pointers
-    with the ``k_rows`` / ``v_rows`` offsets (invalid tokens masked to zeros)."""
-    dims = tl.arange(0, HEAD_DIM)
-    if TMA:
-        k = k_src.load([first_row, 0])
-    else:
-        k = tl.load(k_src + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    ``k_src``, ``v_src``: tensor descriptors (one bulk copy per tile; rows past the length read as
+    zeros) or base pointers with the ``k_rows`` / ``v_rows`` offsets (invalid tokens masked to zeros),
+    as ``LOADS`` says."""
+    k = _load_tile(k_src, k_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l_new = alpha * l + tl.sum(p, 1)
-    if TMA:
-        v = v_src.load([first_row, 0])
-    else:
-        v = tl.load(v_src + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    v = _load_tile(v_src, v_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_new, acc_new
 
@@ -100,15 +106,15 @@ def _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, 
 def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                 page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, sm_scale,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
         valid, k_rows, v_rows, first_row = _block_rows(
             t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
             stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
             BLOCK_N, SINK_RECENCY, PAGED)
-        m, l, acc = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, sm_scale, HEAD_DIM,
-                                  DOT_PRECISION, TMA)
+        m, l, acc = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, b, kv_head,
+                                  sm_scale, BLOCK_N, HEAD_DIM, DOT_PRECISION, LOADS)
     return m, l, acc
 
 
@@ -163,12 +169,12 @@ def _read_flag(ptr):
     return tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["uniform_len"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr, arrivals_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, page_size,
+        num_kv_heads, num_splits, page_size, uniform_len,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -177,14 +183,23 @@ def art_decode_split_kernel(
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-        TMA: tl.constexpr):
-    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.  ``TMA``
-    (contiguous layout only): K and V tiles are read through per-sequence tensor descriptors."""
+        RAGGED: tl.constexpr, LOADS: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.
+
+    ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
+    (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
+    (contiguous layout only for descriptors): ``"pointers"`` (``k_ptr``, ``v_ptr`` base pointers,
+    masked), ``"kernel_descriptors"`` (per-sequence ``[seqlen, D]`` descriptors made here) or
+    ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
+    launcher, uniform lengths only).  Descriptor rows past the length read as zeros."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
-    seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
+    if RAGGED:
+        seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
+    else:
+        seqlen = uniform_len.to(tl.int64)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     steps_per_split = tl.cdiv(num_blocks, num_splits)
     start = split * steps_per_split
@@ -200,7 +215,7 @@ def art_decode_split_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     visited = start * 0
-    if TMA:
+    if LOADS == "kernel_descriptors":
         k_src = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_k0 + kv_head.to(tl.int64) * stride_kh,
                                           shape=[seqlen.to(tl.int32), HEAD_DIM], strides=[stride_kt, 1],
                                           block_shape=[BLOCK_N, HEAD_DIM])
@@ -238,7 +253,8 @@ def art_decode_split_kernel(
                         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                         BLOCK_N, SINK_RECENCY, PAGED)
                     m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows,
-                                                          first_row, sm_scale, HEAD_DIM, DOT_PRECISION, TMA)
+                                                          first_row, b, kv_head, sm_scale, BLOCK_N, HEAD_DIM,
+                                                          DOT_PRECISION, LOADS)
                     norm, count, done = _probe_update(
                         acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
@@ -253,7 +269,7 @@ def art_decode_split_kernel(
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                         table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
                                         stride_v0, stride_vh, stride_vt, sm_scale,
-                                        BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, TMA)
+                                        BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
                 visited += chunk_end - step
                 stop_m, stop_l, stop_acc = m, l, acc
             step = chunk_end
@@ -266,7 +282,7 @@ def art_decode_split_kernel(
         m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                 table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
                                 stride_v0, stride_vh, stride_vt, sm_scale,
-                                BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, TMA)
+                                BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
         visited = tl.maximum(end - start, 0)
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_table_kernel
-from kernels.descriptors import descriptor_ready
+from kernels.descriptors import descriptor_ready, host_descriptor
 from kernels.device_info import num_sms
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs
@@ -117,11 +116,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host-made descriptor of ``x [B, H, N, D]`` reading ``[1, 1, rows, D]`` blocks."""
-    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, 1, rows, x.shape[-1]])
-
-
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, *,
                            block_size: int = 128, sm_scale: float | None = None, causal: bool = True,
                            return_lse: bool = False, config: KernelConfig | None = None):
@@ -155,8 +149,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     q_programs = triton.cdiv(n, cfg.block_m)
     side_by_side = heads_first(cfg, b * hq * q_programs, q.device)
     grid = (b * hq, q_programs) if side_by_side else (q_programs, b * hq)
-    q_desc, out_desc = (_descriptor(x, cfg.block_m) for x in (q, out))
-    k_desc, v_desc = (_descriptor(x, cfg.block_n) for x in (k, v))
+    q_desc, out_desc = (host_descriptor(x, cfg.block_m) for x in (q, out))
+    k_desc, v_desc = (host_descriptor(x, cfg.block_n) for x in (k, v))
     block_sparse_attention_kernel[grid](
         q_desc, k_desc, v_desc, out_desc, lse, cols, counts,
         scale * math.log2(math.e), n, hq, hq // k.shape[1], q_programs, *lse.stride(), *cols.stride(),

@@ -1,5 +1,6 @@
 """Tensor descriptors (TMA bulk copies on Hopper) for the Triton kernels: when a tensor can be read
-through one, and the allocator that Triton needs for descriptors made inside a kernel.
+through one, descriptors made on the host, and the allocator that Triton needs for descriptors made
+inside a kernel.
 
 A kernel that calls ``tl.make_tensor_descriptor`` asks the host, at launch, for a global scratch
 buffer to hold the descriptors; :func:`set_descriptor_allocator` gives Triton one from PyTorch's
@@ -12,6 +13,7 @@ from functools import cache
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def descriptor_ready(x: torch.Tensor) -> bool:
@@ -20,6 +22,15 @@ def descriptor_ready(x: torch.Tensor) -> bool:
     size = x.element_size()
     return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
             and all(stride * size % 16 == 0 for stride in x.stride()[:-1]))
+
+
+def host_descriptor(x: torch.Tensor, block_rows: int, rows: int | None = None) -> TensorDescriptor:
+    """A descriptor made on the host of ``x [B, H, N, D]`` reading ``[1, 1, block_rows, D]`` blocks; the rows
+    at or past ``rows`` (default ``N``) read as zeros.  Passed by value, so the kernel builds none."""
+    shape = list(x.shape)
+    if rows is not None:
+        shape[2] = rows
+    return TensorDescriptor(x, shape=shape, strides=list(x.stride()), block_shape=[1, 1, block_rows, x.shape[-1]])
 
 
 def prepare_descriptors(device: torch.device) -> None:

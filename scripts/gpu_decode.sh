@@ -32,8 +32,11 @@ kv = torch.randn(2, 3, 8, 799, 128, device="cuda", dtype=torch.bfloat16)
 for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
     for splits in (1, 4):
         out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=art, num_splits=splits)
-        # contiguous 64-token blocks: tensor-descriptor loads (one split), pointer loads (leader scheme)
+        # contiguous 64-token blocks: descriptors made in the kernel (one split), pointer loads (leader scheme)
         out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=art, num_splits=splits, block_size=64)
+        # uniform lengths: one scalar length, descriptors made on the host and bounded at the length
+        out = art_decode(q, kv[0], kv[1], cache_seqlens=torch.full_like(lengths, 513), art=art, num_splits=splits,
+                         block_size=64)
 torch.cuda.synchronize()
 print("memcheck run finished", bool(torch.isfinite(out).all()))
 '

@@ -251,38 +251,66 @@ def arrival_counters_all_zero():
 
 
 @pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-3, phi=1e-4, patience=2)], ids=["dense", "art"])
-def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(monkeypatch, art):
+@pytest.mark.parametrize("lengths, loads", [([1, 63, 65, 300], "kernel_descriptors"), ([300] * 4, "host_descriptors")],
+                         ids=["ragged", "uniform"])
+def test_descriptor_loads_equal_pointer_loads_and_never_read_past_the_length(monkeypatch, art, lengths, loads):
     q, k, v = synthetic_inputs(4, 8, 2, 400, 64, torch.float16, CPU, seed=9)
     k[:, :, 300:] = float("nan")  # past every length: zeros from the descriptor, masked pointer loads
     v[:, :, 300:] = float("nan")
-    seqlens = torch.tensor([1, 63, 65, 300], dtype=torch.int32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
     params = None if art is None else art.kernel_params()
+    assert art_decode_module._kv_loads(k, v, False, 64, uniform=len(set(lengths)) == 1, leader_steps=None) == loads
     results = []
-    for use_descriptors in (True, False):
+    for kind in (loads, "pointers"):
         calls = []
-        monkeypatch.setattr(art_decode_module, "_use_tma",
-                            lambda k_cache, v_cache, paged, block_size, leader_steps, use=use_descriptors:
-                            calls.append(use) or use)
+        monkeypatch.setattr(art_decode_module, "_kv_loads",
+                            lambda k_cache, v_cache, paged, block_size, uniform, leader_steps, kind=kind:
+                            calls.append(kind) or kind)
         results.append(art_decode(q, k, v, cache_seqlens=seqlens, art=params, block_size=64, num_splits=3,
                                   return_lse=True, return_stats=True))
-        assert calls == [use_descriptors]
+        assert calls == [kind]
     assert torch.isfinite(results[0][0]).all()
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("block_size, paged", [(64, False), (128, False), (16, True)],
+                         ids=["descriptors", "pointers", "paged"])
+def test_uniform_lengths_take_the_scalar_length_and_agree_with_ragged_calls(block_size, paged):
+    """Equal lengths (given, or the capacity when none are given) reach the kernel as one scalar: its
+    rows must equal those of a ragged call in which they have the same length."""
+    q, k, v = synthetic_inputs(3, 4, 2, 320, 64, torch.float16, CPU, seed=21)
+    layout = {}
+    if paged:
+        k, v, layout["block_table"] = to_paged(k, v, 16, seed=3)  # 20 pages of 16: capacity 320
+    for art in (None, ARTConfig(tau=1e-3, phi=1e-4, patience=2).kernel_params()):
+        kwargs = dict(art=art, block_size=block_size, num_splits=2, return_lse=True, return_stats=True, **layout)
+        for length, uniform_calls in ((300, [{"cache_seqlens": torch.full((3,), 300, dtype=torch.int32)}]),
+                                      (320, [{"cache_seqlens": torch.full((3,), 320, dtype=torch.int32)}, {}])):
+            reference = art_decode(q, k, v, cache_seqlens=torch.tensor([length, length, 7], dtype=torch.int32),
+                                   **kwargs)
+            for lengths in uniform_calls:
+                for a, b in zip(art_decode(q, k, v, **lengths, **kwargs), reference):
+                    assert torch.equal(a[:2], b[:2])
+
+
 def test_descriptors_are_used_for_small_contiguous_blocks_only():
     q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
-    use = art_decode_module._use_tma
-    assert use(k, v, paged=False, block_size=64, leader_steps=None)
-    assert not use(k, v, paged=False, block_size=128, leader_steps=None)
-    assert not use(k, v, paged=True, block_size=64, leader_steps=None)
-    assert not use(k, v, paged=False, block_size=64, leader_steps=1000)            # leader scheme, D = 64
-    misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
-    assert not use(misaligned, v, paged=False, block_size=64, leader_steps=None)
+    loads = art_decode_module._kv_loads
+    for uniform, kind in ((False, "kernel_descriptors"), (True, "host_descriptors")):
+        assert loads(k, v, paged=False, block_size=64, uniform=uniform, leader_steps=None) == kind
+        assert loads(k, v, paged=False, block_size=128, uniform=uniform, leader_steps=None) == "pointers"
+        assert loads(k, v, paged=True, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
+        misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
+        assert loads(misaligned, v, paged=False, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
+    # the leader scheme builds descriptors in the kernel only for D = 128 and long enough splits
+    assert loads(k, v, paged=False, block_size=64, uniform=False, leader_steps=1000) == "pointers"
+    assert loads(k, v, paged=False, block_size=64, uniform=True, leader_steps=1000) == "host_descriptors"
     k128, v128 = torch.zeros(2, 1, 2, 256, 128, dtype=torch.float16)
-    assert use(k128, v128, paged=False, block_size=64, leader_steps=art_decode_module.LEADER_TMA_MIN_STEPS)
-    assert not use(k128, v128, paged=False, block_size=64, leader_steps=art_decode_module.LEADER_TMA_MIN_STEPS - 1)
+    minimum = art_decode_module.LEADER_TMA_MIN_STEPS
+    assert loads(k128, v128, paged=False, block_size=64, uniform=False, leader_steps=minimum) == "kernel_descriptors"
+    assert loads(k128, v128, paged=False, block_size=64, uniform=False, leader_steps=minimum - 1) == "pointers"
+    assert loads(k128, v128, paged=False, block_size=64, uniform=True, leader_steps=minimum - 1) == "host_descriptors"
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
