@@ -1,6 +1,8 @@
 """FlexPrefill speed benchmark on one GPU: estimation, block-sparse kernel, full call, dense SDPA.
 
-Measured in one run, with ``triton.testing.do_bench`` medians: the copy-bandwidth and bf16
+Measured in one run, with ``triton.testing.do_bench`` medians (each row the median of ``ROUNDS``
+consecutive ones: one-pass runs had shown single rows up to 6 % slow that repeats did not reproduce,
+e.g. one 128k estimation at 5.12 ms against 4.80-4.81 ms in ten repeats): the copy-bandwidth and bf16
 matrix-product ceilings; dense causal SDPA (the peer, same inputs with KV repeated to all query
 heads); this package's block-sparse kernel with every causal tile kept (its dense-mode cost per
 tile); and, per ``gamma``, the on-device estimation alone, the kernel alone on the estimated
@@ -22,6 +24,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -36,6 +39,9 @@ from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _token_means, estima
 from kernels.results_io import write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
+GAMMAS = (0.85, 0.9, 0.95, 0.99)
+TARGET_GAMMAS = (0.9, 0.95)
+ROUNDS = 3   # the gammas the targets name; 0.85 and 0.99 are measured for the curves
 
 
 def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int = 8, seqlen: int = 32768,
@@ -122,7 +128,11 @@ def tiled_capture(path: str | os.PathLike, layer: int, seqlen: int, *, dtype: to
 
 
 def _median_ms(fn, rep_ms: int) -> float:
-    return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+    """The median of ``ROUNDS`` consecutive ``do_bench`` medians of ``rep_ms / ROUNDS`` each, so that a transient
+    of the card (clocks, power cap) during one of them does not set the row."""
+    medians = [triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4) if i == 0 else 10, rep=max(1, rep_ms // ROUNDS),
+                                       return_mode="median") for i in range(ROUNDS)]
+    return float(statistics.median(medians))
 
 
 def ceilings(device: torch.device) -> dict:
@@ -226,9 +236,11 @@ def profile_estimate(q, k, top: int = 12, **params) -> list[dict]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """The issue's targets, checked on the rows."""
+    """The targets, checked on the rows.  The per-tile kernel target is reported at ``TARGET_GAMMAS``
+    and, separately, over every gamma measured; the estimation and full-call targets over every gamma."""
     estimates = [r for r in rows if r["method"] == "estimate" and r["seqlen"] >= 131072]
     sparse = [r for r in rows if r["method"] == "kernel_sparse"]
+    sparse_at_targets = [r for r in sparse if r["gamma"] in TARGET_GAMMAS]
     calls = [r for r in rows if r["method"] == "flexprefill" and r["seqlen"] >= 32768 and r["kept_fraction"] <= 0.3]
     sdpa = {(r["data"], r["seqlen"]): r["ms"] for r in rows if r["method"] == "sdpa"}
     return {
@@ -236,8 +248,11 @@ def summarise(rows: list[dict]) -> dict:
                                        for r in rows if r["method"] == "kernel_all_tiles"},
         "estimate_ms_at_128k_max": max((r["ms"] for r in estimates), default=None),
         "estimate_target_ms": 5.0,
+        "kernel_ms_per_tile_over_sdpa_max_at_target_gammas": max(
+            (r["ms_per_tile_over_sdpa"] for r in sparse_at_targets), default=None),
         "kernel_ms_per_tile_over_sdpa_max": max((r["ms_per_tile_over_sdpa"] for r in sparse), default=None),
         "kernel_per_tile_target": 1.2,
+        "target_gammas": list(TARGET_GAMMAS),
         "calls_with_at_most_30pct_kept": len(calls),
         "calls_with_at_most_30pct_kept_beating_sdpa": sum(r["speedup_vs_sdpa"] > 1.0 for r in calls),
     }
@@ -257,7 +272,7 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
         raise RuntimeError("the FlexPrefill benchmark needs a CUDA device")
     device = torch.device("cuda")
     lengths = (8192, 16384) if quick else (32768, 65536, 131072)
-    gammas = (0.9,) if quick else (0.85, 0.9, 0.95, 0.99)
+    gammas = (0.9,) if quick else GAMMAS
     block_size, tau, min_budget = 128, 0.1, 1024
     rep_ms = 100 if quick else 400
     payload = {

@@ -1,0 +1,32 @@
+"""`kernels.bench_flexprefill.summarise`: the targets checked on hand-made rows."""
+from __future__ import annotations
+
+from kernels.bench_flexprefill import TARGET_GAMMAS, summarise
+
+
+def sparse_row(gamma, ratio, seqlen=32768):
+    return {"method": "kernel_sparse", "data": "structured", "seqlen": seqlen, "gamma": gamma,
+            "ms_per_tile_over_sdpa": ratio}
+
+
+def test_summary_reports_the_per_tile_target_at_the_target_gammas_and_over_all():
+    rows = [
+        {"method": "sdpa", "data": "structured", "seqlen": 32768, "ms": 10.0},
+        {"method": "kernel_all_tiles", "data": "structured", "seqlen": 32768, "ms": 11.0},
+        {"method": "estimate", "data": "structured", "seqlen": 131072, "gamma": 0.9, "ms": 4.5},
+        {"method": "estimate", "data": "structured", "seqlen": 131072, "gamma": 0.85, "ms": 4.9},
+        {"method": "estimate", "data": "structured", "seqlen": 65536, "gamma": 0.9, "ms": 9.0},  # not 128k
+        sparse_row(0.85, 1.25), sparse_row(TARGET_GAMMAS[0], 1.15), sparse_row(TARGET_GAMMAS[1], 1.18),
+        {"method": "flexprefill", "data": "structured", "seqlen": 32768, "kept_fraction": 0.2, "speedup_vs_sdpa": 3.0},
+        {"method": "flexprefill", "data": "structured", "seqlen": 65536, "kept_fraction": 0.3, "speedup_vs_sdpa": 0.9},
+        {"method": "flexprefill", "data": "structured", "seqlen": 65536, "kept_fraction": 0.5, "speedup_vs_sdpa": 0.5},
+        {"method": "flexprefill", "data": "structured", "seqlen": 16384, "kept_fraction": 0.1, "speedup_vs_sdpa": 0.8},
+    ]
+    summary = summarise(rows)
+    assert summary["kernel_all_tiles_over_sdpa"] == {"structured@32768": 1.1}
+    assert summary["estimate_ms_at_128k_max"] == 4.9
+    assert summary["kernel_ms_per_tile_over_sdpa_max_at_target_gammas"] == 1.18
+    assert summary["kernel_ms_per_tile_over_sdpa_max"] == 1.25
+    assert summary["target_gammas"] == list(TARGET_GAMMAS)
+    assert summary["calls_with_at_most_30pct_kept"] == 2
+    assert summary["calls_with_at_most_30pct_kept_beating_sdpa"] == 1
