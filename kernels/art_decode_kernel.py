@@ -274,8 +274,11 @@ def art_decode_split_kernel(
                 stop_m, stop_l, stop_acc = m, l, acc
             step = chunk_end
             if not SINGLE_SPLIT:
-                tl.store(flag_ptr + bh, 1, mask=tl.where(is_leader, group_done, 0) != 0)
-                converged = _read_flag(flag_ptr + bh)
+                # the leader raises the flag and never reads it (its own done bits decide); followers poll it
+                if is_leader:
+                    tl.store(flag_ptr + bh, 1, mask=group_done != 0)
+                else:
+                    converged = _read_flag(flag_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
         m, l, acc = stop_m, stop_l, stop_acc
     else:
