@@ -40,8 +40,8 @@ from kernels.results_io import write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
 GAMMAS = (0.85, 0.9, 0.95, 0.99)
-TARGET_GAMMAS = (0.9, 0.95)
-ROUNDS = 3   # the gammas the targets name; 0.85 and 0.99 are measured for the curves
+TARGET_GAMMAS = (0.9, 0.95)   # the gammas the targets name; 0.85 and 0.99 are measured for the curves
+ROUNDS = 3   # do_bench medians per row (their median is the row's time)
 
 
 def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int = 8, seqlen: int = 32768,
