@@ -13,42 +13,48 @@ blocks.  ``art=None`` compiles the monitor out (the dense baseline).
 **Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
 ``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a
 log-sum-exp merge.  Split 0, the *leader*, holds the head of the order (the sink and the
-newest blocks) and is the only one that runs the monitor, on exactly the state a
-single-split kernel would hold, so its stop step is the simulator's.  When it stops it
-raises a per-``(b, kv_head)`` *converged* flag in global memory; the *followers* (splits
-``1..``) poll the flag between chunks of ``ART_CHUNK`` blocks and exit, and the combine
-keeps the leader alone, so the output is the simulator's truncated output whatever the
-timing (deterministic).  If the leader reaches the end of its range without converging, the
-followers have covered the rest and the combine merges everything: the dense output
-(reported as a walk of all ``N`` steps).  Every program's step count is returned with
-``return_stats``; :func:`blocks_loaded` turns it into the blocks really loaded.
+newest blocks), and its monitor runs on exactly the state a single-split kernel would hold, so
+its stop step is the simulator's.  When it stops it raises a per-``(b, kv_head)`` *converged*
+flag in global memory; the *followers* (splits ``1..``) poll the flag between chunks of
+``ART_CHUNK`` blocks and exit, and the combine keeps the leader alone, so the output is the
+simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
+end of its range without converging, the followers have covered the rest and the combine
+merges everything: the dense output (reported as a walk of all ``N`` steps).  Every program's
+step count is returned with ``return_stats``; :func:`blocks_loaded` turns it into the blocks
+really loaded.
 
 Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends after about
 ``N / P`` block times, while any monitor needs ``T`` sequential block times to see
 convergence at step ``T``; followers that restarted from scratch could never stop, and the
-leader scheme bounds an ART call by the split-K dense time when the walk does not stop.
-Its cost is the followers' blocks read before they see the flag, and the leader (the only
-program that runs the monitor) is the slowest when the walk does not stop.  Measured on the
-H200 (``benchmarks/NOTES-art-decode.md``, V5; ``ARTConfig()`` thresholds, bf16, CUDA-graph
-medians):
+leader scheme bounds an ART call by the split-K dense time when the walk does not stop.  Its
+cost is the followers' blocks read before they see the flag.  The followers run the same
+monitored step as the leader, with a patience out of reach (their monitor never stops them
+and is discarded): in a walk that does not stop, every program then takes the same time per
+block and shares the bandwidth evenly, where a leader that alone ran the monitor ended last
+(``benchmarks/NOTES-art-decode.md``, V13: never-stopping overhead at B = 8, 4 splits +6.0 % ->
++1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  The price is paid by terminating calls at long
+lengths, whose followers reach their next poll later.  Measured on the H200 (V13 full run;
+``ARTConfig()`` thresholds, synthetic caches, bf16, CUDA-graph medians):
 
-====================================  ===========================  ===========================
+====================================  ===========================  ============================
 case                                  one split (ms, blocks read)   leader scheme (ms, read)
-====================================  ===========================  ===========================
-synthetic 32/8, B = 1, S = 128k       0.071, 1.9 %                 0.091, 41 % (16 splits)
-synthetic 32/8, B = 8, S = 128k       0.073, 2.0 %                 0.091, 4.7 % (2 splits)
-synthetic 32/8, B = 1, S = 32k        0.071, 8.6 %                 0.062, 100 % (16 splits)
-SmolLM2 layer 9/3, B = 1, S = 32k     0.278, 24 % (V4)             0.050, 100 % (16 splits)
-SmolLM2 layer 9/3, B = 1, S = 128k    0.279, 6 % (V4)              0.072, 100 % (44 splits)
-====================================  ===========================  ===========================
+====================================  ===========================  ============================
+synthetic 32/8, B = 1, S = 128k       0.068, 1.9 %                 0.109, 32 % (16 splits)
+synthetic 32/8, B = 8, S = 128k       0.070, 2.0 %                 0.112, 4.1 % (2 splits)
+synthetic 32/8, B = 1, S = 32k        0.069, 8.2 %                 0.061, 100 % (16 splits)
+====================================  ===========================  ============================
 
-With few ``(b, kv_head)`` pairs a lone walk is latency-bound (about 2 us per block), so
-the leader scheme wins by falling back to split-K speed; once there are a handful of pairs
-a single split keeps the whole traffic saving and is faster.  Hence the default
-(:func:`choose_num_splits`): one split from ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on, else the
-leader scheme over one wave of programs.  A stopped program still completes the K/V loads of
-its current chunk of ``ART_CHUNK`` steps (they are in flight in the software pipeline and
-are discarded), then issues no more.
+A lone walk is latency-bound (about 1.4 us per block), so a monitored walk that must run to
+step ``T`` cannot end before ``T`` block times, however few blocks it reads.  Hence the default
+(:func:`choose_num_splits`): when a dense program's range would be no longer than the walk's
+earliest end (:func:`earliest_stop_steps`: 32 steps for ``ARTConfig()``), ART takes the dense
+split count, the leader scheme over it: about the dense time plus the monitor, and no blocks
+saved, since the leader's range is too short to stop in (V13: B = 1, 8k and 32k, 0.023 and
+0.053 ms against 0.089 and 0.069 with one split; dense 0.021 and 0.048).  Otherwise one split
+from ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving),
+else the leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.
+A stopped program still completes the K/V loads of its current chunk of ``ART_CHUNK`` steps
+(they are in flight in the software pipeline and are discarded), then issues no more.
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
@@ -147,7 +153,6 @@ MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
 ART_SINGLE_SPLIT_PROGRAMS = 8
-ART_MIN_LEADER_STEPS = 32
 ART_CHUNK = 16
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
@@ -210,7 +215,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art is not None, block_size)
+        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
@@ -233,10 +238,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     else:
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits)
-    block_g = triton.next_power_of_2(group)
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
                       leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads)
+    block_g = triton.next_power_of_2(group)
     k_arg, v_arg = k_cache, v_cache
     if loads == "host_descriptors":
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
@@ -261,31 +266,47 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: bool,
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
                       block_size: int = DENSE_BLOCK_SIZE) -> int:
     """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (module docstring).
 
-    Dense: one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
+    Dense (``art=None``): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
     (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
     unless that leaves more than a quarter of the multiprocessors idle; at least
-    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: one split once there are
+    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when a dense program's range is
+    no longer than the monitored walk's earliest end (:func:`dense_range_ends_first`), since the
+    walk could not end before the split-K dense walk; else one split once there are
     ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
     """
     programs = batch * kv_heads
-    if art:
-        return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, max_steps, device)
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
     slots = per_sm * _num_sms(device)
     wanted = slots // programs
     if wanted * programs < WAVE_FILL * slots:
         wanted += 1
-    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    dense = max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    if art is None or dense_range_ends_first(max_steps, dense, art):
+        return dense
+    return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, device)
 
 
-def leader_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device) -> int:
-    """ART splits for the leader scheme: one program per multiprocessor (rounded down), the
-    leader's range at least ``ART_MIN_LEADER_STEPS`` blocks."""
-    return max(1, min(_num_sms(device) // (batch * kv_heads), max_steps // ART_MIN_LEADER_STEPS, MAX_SPLITS))
+def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams) -> bool:
+    """Whether a dense program's range (``max_steps / dense_splits`` blocks, rounded up) is no longer
+    than the monitored walk's earliest end (:func:`earliest_stop_steps`); ART then takes the dense
+    split count (:func:`choose_num_splits`)."""
+    return -(-max_steps // dense_splits) <= earliest_stop_steps(art)
+
+
+def earliest_stop_steps(art: ARTParams) -> int:
+    """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
+    patience - 1`` at the earliest, and it loads through the end of that chunk of ``ART_CHUNK`` steps."""
+    return -(-(max(1, art.min_steps) + art.patience) // ART_CHUNK) * ART_CHUNK
+
+
+def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """ART splits for the leader scheme: one program per multiprocessor (rounded down).  Under
+    :func:`choose_num_splits` the leader's range is then at least twice the walk's earliest end."""
+    return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
 
 
 def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = ART_BLOCK_SIZE) -> torch.Tensor:
@@ -352,16 +373,22 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
     return "kernel_descriptors"
 
 
-def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int) -> tuple[int, int]:
-    """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages, and 2 warps for blocks of at most
-    ``TMA_MAX_BLOCK`` tokens (the monitor's walks), 4 for the dense 128-token blocks.  A grid of
-    64-token blocks of ``D = 128`` larger than ``RESIDENT_AT_THREE_STAGES`` programs per
-    multiprocessor gets 2 stages: then 4 programs fit on a multiprocessor instead of 3 (shared
-    memory), so B = 64's 512 programs run in one wave instead of 1.3 (V9)."""
+def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str) -> tuple[int, int]:
+    """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
+    blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
+    ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
+    monitored 64-dim walk 12-19 % faster and its never-stopping overhead +5.6 -> +0.1 % at one split,
+    while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
+    larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
+    fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
+    instead of 1.3 (V9).  ART and dense calls of one shape get the same configuration, so that
+    ``tau = phi = 0`` stays bit-identical to dense."""
     if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
         return 4, 2
     if block_size > TMA_MAX_BLOCK:
         return 4, 3
+    if head_dim == 64 and loads == "host_descriptors":
+        return 1, 3
     if block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device):
         return 2, 2
     return 2, 3

@@ -22,9 +22,10 @@ of that step is kept (a copy taken with ``where`` while the walk runs: the onlin
 recurrence itself never waits for the monitor, and the blocks of the rest of the chunk,
 already in flight in the pipeline, update only the discarded running state), the program
 issues no K/V loads past its current chunk, and it raises the ``(b, kv_head)`` *converged*
-flag in global memory.  Follower splits run the plain dense loop (no monitor) in chunks,
-poll that flag between chunks and stop too; the combine then ignores them (see
-``kernels.art_decode``).
+flag in global memory.  Follower splits run the same monitored step with a patience out of
+reach (their monitor never stops them and is discarded, so that in a walk that does not stop
+every program takes the same time per block), poll that flag between chunks and stop too;
+the combine then ignores them (see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -232,6 +233,8 @@ def art_decode_split_kernel(
             probe_dim = dims >= 0
         probe_mask = probe_dim[None, :] & (rows[:, None] >= 0)
         is_leader = split == 0
+        # a follower's heads are never done: no stable run reaches this length
+        patience = tl.where(is_leader, patience, 2147483647)
         norm = tl.zeros([BLOCK_H], tl.float32)
         count = tl.zeros([BLOCK_H], tl.int32)
         done = tl.zeros([BLOCK_H], tl.int32)
@@ -246,7 +249,13 @@ def art_decode_split_kernel(
         go = (step < end) & (converged == 0)
         while go:
             chunk_end = tl.minimum(step + ART_CHUNK, end)
-            if is_leader:
+            # With several splits every program runs the monitored step (a follower's heads are never done
+            # and its monitor is discarded), so that in a walk that does not stop all programs take the same
+            # time per block and share the bandwidth evenly.  A single-split launch has no followers: its
+            # dense branch is never taken, but it stays compiled, because without it the Triton 3.6 build
+            # serialises the step's QK^T MMAs (743 instead of 706 instructions per step, single-split ART
+            # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
+            if is_leader or not SINGLE_SPLIT:
                 for t in tl.range(step, chunk_end):
                     valid, k_rows, v_rows, first_row = _block_rows(
                         t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,

@@ -8,11 +8,12 @@ with a cold L2: do_bench flushes it):
   SDPA and FlexAttention decode (where it compiles; failures are recorded), this kernel in
   dense mode (``art=None``, its default block size 128), dense at the monitor's block size 64
   and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
-  the monitor's overhead), and with the given ART thresholds;
+  the monitor's overhead), and with the given ART thresholds at the default split count
+  (``dense_split_count``: whether ART took the dense one, ``kernels.art_decode.dense_range_ends_first``);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
-* the split study: ART with one split, with the ART split heuristic and with never-stopping
-  thresholds per ART chunk length; dense, never-stopping and single-split ART per launch
-  configuration (``num_warps``, ``num_stages``); and the dense kernel over a sweep of split counts and block sizes 64 / 128.
+* the split study: ART with one split and with the leader scheme over one wave of programs
+  (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
+  split counts and block sizes 64 / 128.
 
 Every row's ``ms`` is the median GPU time of a CUDA-graph replay of the call (``eager_ms``: the
 plain call, which also pays the host-side launch cost of the Python launcher).  The graph times of
@@ -49,7 +50,8 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits, leader_splits
+from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits,
+                         dense_range_ends_first, leader_splits)
 from .art_params import ARTParams
 from .results_io import write_json_atomic
 
@@ -165,8 +167,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=False)
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=False,
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=None)
+    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=None,
                                block_size=ART_BLOCK_SIZE)
     _, steps = art_decode(q, k, v, art=art, return_stats=True)
     loaded = _loaded_fraction(steps, seqlen)
@@ -178,7 +180,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     extras = {"art_dense": dict(num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
-              "art": dict(num_splits=steps.shape[-1], loaded_fraction=loaded)}
+              "art": dict(num_splits=steps.shape[-1], loaded_fraction=loaded,
+                          dense_split_count=dense_range_ends_first(math.ceil(seqlen / ART_BLOCK_SIZE), splits, art))}
     results = _time_interleaved(calls, rep_ms, rounds)
     rows = []
     for impl, result in results.items():
@@ -250,7 +253,7 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     batch, kv_heads, seqlen = q.shape[0], k.shape[1], k.shape[2]
     base = dict(batch=batch, seqlen=seqlen)
     rows = []
-    leader = leader_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device)
+    leader = leader_splits(batch, kv_heads, q.device)
     for label, splits in (("art_single_split", 1), ("art_leader_one_wave", leader)):
         _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
         rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
@@ -291,6 +294,8 @@ def summarise(rows: list[dict], ceiling: float) -> dict:
         "monitor_overhead_median": sorted(overhead)[len(overhead) // 2] if overhead else None,
         "monitor_overhead_target": 0.01,
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
+        "art_rows_meeting_time_bound_at_the_dense_split_count": sum(
+            r["meets_time_bound"] and r.get("dense_split_count", False) for r in art_rows),
         "art_rows": len(art_rows),
     }
 

@@ -191,6 +191,24 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=17)   # 24 steps
+    leader_steps = -(-24 // splits)
+    # every step from min_steps on is stable at patience 1: the leader's range ends before it, while a
+    # follower's first step would finish its own monitor at once if that could stop it
+    loose = ARTParams(tau=1e9, phi=2.0, patience=1, min_steps=leader_steps)
+    dense = art_decode(q, k, v, num_splits=splits, block_size=64, return_lse=True)
+    out, lse, steps = art_decode(q, k, v, art=loose, num_splits=splits, return_lse=True, return_stats=True)
+    assert torch.equal(out, dense[0]) and torch.equal(lse, dense[1])
+    ranges = torch.tensor([min(leader_steps, 24 - s * leader_steps) for s in range(splits)], dtype=torch.int32)
+    assert torch.equal(steps, ranges.expand_as(steps))
+    single_steps = art_decode(q, k, v, art=loose, num_splits=1, return_stats=True)[1]
+    assert (single_steps == leader_steps + 1).all(), "a single walk stops at the first counted step"
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_zero_thresholds_are_bit_identical_to_dense(splits):
     from kernels.art_params import ARTParams

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import blocks_loaded, choose_num_splits
+from kernels.art_decode import blocks_loaded, choose_num_splits, earliest_stop_steps
+from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
 
 
@@ -36,18 +37,26 @@ def test_dense_steps_are_the_blocks_of_each_range():
 
 def test_split_heuristics_fill_one_wave(monkeypatch):
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
-    assert choose_num_splits(1, 8, 512, None, art=False) == 16       # 128 programs, not 136
-    assert choose_num_splits(32, 3, 512, None, art=False) == 2       # 96 programs would idle 27 % of the SMs
-    assert choose_num_splits(32, 8, 512, None, art=False) == 1
-    assert choose_num_splits(1, 8, 8, None, art=False) == 2          # at least MIN_STEPS_PER_SPLIT blocks each
-    assert choose_num_splits(1, 8, 2048, None, art=True) == 1        # 8 pairs: one split
-    assert choose_num_splits(1, 3, 512, None, art=True) == 16        # leader range of at least 32 blocks
-    assert choose_num_splits(1, 3, 4096, None, art=True) == 44       # one program per multiprocessor
+    assert choose_num_splits(1, 8, 512, None, art=None) == 16       # 128 programs, not 136
+    assert choose_num_splits(32, 3, 512, None, art=None) == 2       # 96 programs would idle 27 % of the SMs
+    assert choose_num_splits(32, 8, 512, None, art=None) == 1
+    assert choose_num_splits(1, 8, 8, None, art=None) == 2          # at least MIN_STEPS_PER_SPLIT blocks each
+    monitor = ARTParams()                                           # done at step 16 at the earliest: 32 steps
+    assert earliest_stop_steps(monitor) == 32
+    assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 64   # done at step 48
+    assert choose_num_splits(1, 8, 2048, None, art=monitor) == 1     # 8 pairs: one split
+    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense: 47 steps; leader scheme,
+    assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # one program per multiprocessor
     # blocks of at most 64 tokens: two programs per multiprocessor
-    assert choose_num_splits(1, 8, 512, None, art=False, block_size=64) == 33
-    assert choose_num_splits(8, 8, 2048, None, art=False, block_size=64) == 4
-    assert choose_num_splits(128, 3, 512, None, art=False, block_size=64) == 1
-    assert choose_num_splits(1, 8, 2048, None, art=True, block_size=64) == 1   # ART keeps its own rule
+    assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 33
+    assert choose_num_splits(8, 8, 2048, None, art=None, block_size=64) == 4
+    assert choose_num_splits(128, 3, 512, None, art=None, block_size=64) == 1
+    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1   # dense would walk 62 > 32 steps
+    # a dense program's range no longer than the walk's earliest end: the dense count
+    assert choose_num_splits(1, 8, 512, None, art=monitor, block_size=64) == 33    # dense walks 16 steps
+    assert choose_num_splits(8, 8, 128, None, art=monitor, block_size=64) == 4     # 32 steps: not shorter
+    assert choose_num_splits(8, 8, 129, None, art=monitor, block_size=64) == 1
+    assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 88   # 24 steps (SmolLM2 B = 1, 128k)
 
 
 def test_tile_batch_repeats_rows_cyclically():
@@ -62,13 +71,14 @@ def test_summary_checks_the_targets_on_the_rows():
     rows = [row("cudnn_sdpa", 1.0), row("flash_sdpa", 1.5), row("art_dense", 1.02), row("art_dense_bs64", 1.0),
             row("art_never", 1.05), row("art", 0.2, meets_time_bound=False),
             row("cudnn_sdpa", 0.05, batch=1), row("art_dense", 0.06, batch=1), row("art_dense_bs64", 0.06, batch=1),
-            row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True),
+            row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True, dense_split_count=True),
             dict(data="synthetic", batch=1, seqlen=32768, impl="flex_attention", error="compile error")]
     summary = summarise(rows, 4.2)
     assert abs(summary["dense_over_best_peer_throughput_b16plus_min"] - 1.0 / 1.02) < 1e-12
     assert summary["b1_s32k"] == {"art_dense_ms": 0.06, "best_peer_ms": 0.05}
     assert abs(summary["monitor_overhead_max"] - 0.05) < 1e-12
     assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
+    assert summary["art_rows_meeting_time_bound_at_the_dense_split_count"] == 1
 
 
 def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
@@ -108,14 +118,18 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art_dense"]["speedup_vs_best_peer"] == 6.0 / 7.0
 
 
-def test_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid(monkeypatch):
+def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid_one_warp_at_d64(monkeypatch):
     monkeypatch.setattr(art_decode_module.torch.cuda, "get_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     config = art_decode_module._launch_config
     cuda = torch.device("cuda")
-    assert config(cuda, 64, 128, 3 * 132) == (2, 3)         # B = 32 x 8 KV heads at one split: one wave
-    assert config(cuda, 64, 128, 3 * 132 + 1) == (2, 2)     # B = 64: 512 programs, four per SM at two stages
-    assert config(cuda, 64, 64, 4096) == (2, 3)             # 64-dim tiles: three stages fit more programs
-    assert config(cuda, 32, 128, 4096) == (2, 3)
-    assert config(cuda, 128, 128, 4096) == (4, 3)
-    assert config(torch.device("cpu"), 64, 128, 4096) == (4, 2)
+    host = "host_descriptors"
+    assert config(cuda, 64, 128, 3 * 132, host) == (2, 3)       # B = 32 x 8 KV heads at one split: one wave
+    assert config(cuda, 64, 128, 3 * 132 + 1, host) == (2, 2)   # B = 64: 512 programs, four per SM at two stages
+    assert config(cuda, 64, 64, 4096, host) == (1, 3)           # 64-dim tiles through host descriptors: one warp
+    assert config(cuda, 16, 64, 8, host) == (1, 3)
+    assert config(cuda, 64, 64, 4096, "pointers") == (2, 3)     # gathered (paged) 64-dim rows keep two
+    assert config(cuda, 64, 64, 8, "kernel_descriptors") == (2, 3)
+    assert config(cuda, 32, 128, 4096, host) == (2, 3)
+    assert config(cuda, 128, 128, 4096, "pointers") == (4, 3)
+    assert config(torch.device("cpu"), 64, 128, 4096, host) == (4, 2)
