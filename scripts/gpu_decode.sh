@@ -37,6 +37,12 @@ for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
         # uniform lengths: one scalar length, descriptors made on the host and bounded at the length
         out = art_decode(q, kv[0], kv[1], cache_seqlens=torch.full_like(lengths, 513), art=art, num_splits=splits,
                          block_size=64)
+# 64-dim tiles through host descriptors (one warp), and the default split count
+q64 = torch.randn(3, 9, 64, device="cuda", dtype=torch.bfloat16)
+kv64 = torch.randn(2, 3, 3, 799, 64, device="cuda", dtype=torch.bfloat16)
+for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
+    for splits in (1, 4, None):
+        out = art_decode(q64, kv64[0], kv64[1], art=art, num_splits=splits, block_size=64)
 torch.cuda.synchronize()
 print("memcheck run finished", bool(torch.isfinite(out).all()))
 '
