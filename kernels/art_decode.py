@@ -377,7 +377,7 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
-    monitored 64-dim walk 12-19 % faster and its never-stopping overhead +5.6 -> +0.1 % at one split,
+    monitored 64-dim walk 10-19 % faster and its never-stopping overhead +5.6 -> +0.1 % at one split,
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
