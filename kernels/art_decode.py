@@ -7,8 +7,9 @@ sequence over a contiguous (``[B, Hkv, S, D]``) or paged (``[num_pages, page_siz
 ``art=ARTParams(...)`` the ART monitor runs after every block (rule: ``kernels.art_params``;
 reference: the simulator ``art_analysis.blockwise`` in ``mode="kernel"`` evaluated by
 ``art_analysis.termination.stop`` with ``group="all"``) and the walk ends once every query
-head of the group is done: no K/V loads are issued past the current chunk of ``ART_CHUNK``
-blocks.  ``art=None`` compiles the monitor out (the dense baseline).
+head of the group is done: the walk runs in chunks that end at the earliest step at which the
+group can be done (``kernels.art_decode_kernel``), so no block past the stop step is loaded or
+computed.  ``art=None`` compiles the monitor out (the dense baseline).
 
 **Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
 ``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a
@@ -20,8 +21,7 @@ flag in global memory; the *followers* (splits ``1..``) poll the flag between ch
 simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
 end of its range without converging, the followers have covered the rest and the combine
 merges everything: the dense output (reported as a walk of all ``N`` steps).  Every program's
-step count is returned with ``return_stats``; :func:`blocks_loaded` turns it into the blocks
-really loaded.
+step count, which is the number of blocks it loaded, is returned with ``return_stats``.
 
 Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends after about
 ``N / P`` block times, while any monitor needs ``T`` sequential block times to see
@@ -32,29 +32,32 @@ monitored step as the leader, with a patience out of reach (their monitor never 
 and is discarded): in a walk that does not stop, every program then takes the same time per
 block and shares the bandwidth evenly, where a leader that alone ran the monitor ended last
 (``benchmarks/NOTES-art-decode.md``, V13: never-stopping overhead at B = 8, 4 splits +6.0 % ->
-+1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  The price is paid by terminating calls at long
-lengths, whose followers reach their next poll later.  Measured on the H200 (V13 full run;
-``ARTConfig()`` thresholds, synthetic caches, bf16, CUDA-graph medians):
++1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  The leader's chunks end at its earliest possible
+stop (``kernels.art_decode_kernel``), so it stops, and raises the flag, at its stop step exactly
+rather than at the end of a fixed chunk (V14: leader scheme at B = 1, 128k 0.109 -> 0.088 ms,
+at B = 8, 128k 0.111 -> 0.087).  Measured on the H200 (V14 full run; ``ARTConfig()``
+thresholds, synthetic caches, bf16, CUDA-graph medians):
 
 ====================================  ===========================  ============================
 case                                  one split (ms, blocks read)   leader scheme (ms, read)
 ====================================  ===========================  ============================
-synthetic 32/8, B = 1, S = 128k       0.068, 1.9 %                 0.109, 32 % (16 splits)
-synthetic 32/8, B = 8, S = 128k       0.070, 2.0 %                 0.112, 4.1 % (2 splits)
-synthetic 32/8, B = 1, S = 32k        0.069, 8.2 %                 0.061, 100 % (16 splits)
+synthetic 32/8, B = 1, S = 128k       0.061, 1.6 %                 0.088, 31 % (16 splits)
+synthetic 32/8, B = 8, S = 128k       0.067, 1.6 %                 0.087, 3.7 % (2 splits)
+synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % (16 splits)
 ====================================  ===========================  ============================
 
-A lone walk is latency-bound (about 1.4 us per block), so a monitored walk that must run to
-step ``T`` cannot end before ``T`` block times, however few blocks it reads.  Hence the default
-(:func:`choose_num_splits`): when a dense program's range would be no longer than the walk's
-earliest end (:func:`earliest_stop_steps`: 32 steps for ``ARTConfig()``), ART takes the dense
-split count, the leader scheme over it: about the dense time plus the monitor, and no blocks
-saved, since the leader's range is too short to stop in (V13: B = 1, 8k and 32k, 0.023 and
-0.053 ms against 0.089 and 0.069 with one split; dense 0.021 and 0.048).  Otherwise one split
-from ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving),
-else the leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.
-A stopped program still completes the K/V loads of its current chunk of ``ART_CHUNK`` steps
-(they are in flight in the software pipeline and are discarded), then issues no more.
+A lone walk is latency-bound (about 1.3 us per block), so a monitored walk that must run to
+step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
+after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
+mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
+(:func:`choose_num_splits`): when a dense program's range would be no longer than
+``ART_STOP_MARGIN`` (2) earliest ends, ART takes the dense split count, the leader scheme over
+it: about the dense time plus the monitor, and few or no blocks saved, since the leader's range
+is too short to stop in (V14: B = 1, 8k and 32k, 0.023 and 0.053 ms against 0.073 with one
+split at 32k; dense 0.021 and 0.048; SmolLM2 B = 1, 128k, a dense range of 24 steps: 0.049 ms
+at the dense count, 0.064 with the leader scheme over one wave of 44 splits).  Otherwise one split from
+``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving), else the
+leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
@@ -132,7 +135,7 @@ import os
 import torch
 import triton
 
-from .art_decode_kernel import art_decode_split_kernel
+from .art_decode_kernel import HORIZON_CAP, art_decode_split_kernel
 from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
@@ -154,6 +157,8 @@ MAX_SPLITS = 128
 WAVE_FILL = 0.75
 ART_SINGLE_SPLIT_PROGRAMS = 8
 ART_CHUNK = 16
+MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
+ART_STOP_MARGIN = 2        # ART takes the dense split count unless a dense range exceeds this many earliest stops
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -182,7 +187,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
             program's result (for the leader that stopped: its stop step + 1, as the simulator's
-            ``stop_step + 1``); :func:`blocks_loaded` turns them into the blocks really loaded.
+            ``stop_step + 1``), which are the blocks each program loaded.
 
     Returns:
         ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse`` and ``steps`` when requested.
@@ -214,6 +219,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if paged:
         _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
+    if art is not None and max_steps > MAX_ART_STEPS:
+        raise ValueError(f"an ART walk is at most {MAX_ART_STEPS} blocks ({MAX_ART_STEPS * block_size} tokens at "
+                         f"block_size={block_size}); max(cache_seqlens)={max_len} needs {max_steps}: use a larger "
+                         "block_size or art=None")
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
@@ -292,37 +301,21 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
 
 def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams) -> bool:
     """Whether a dense program's range (``max_steps / dense_splits`` blocks, rounded up) is no longer
-    than the monitored walk's earliest end (:func:`earliest_stop_steps`); ART then takes the dense
-    split count (:func:`choose_num_splits`)."""
-    return -(-max_steps // dense_splits) <= earliest_stop_steps(art)
+    than ``ART_STOP_MARGIN`` times the monitored walk's earliest end (:func:`earliest_stop_steps`);
+    ART then takes the dense split count (:func:`choose_num_splits`)."""
+    return -(-max_steps // dense_splits) <= ART_STOP_MARGIN * earliest_stop_steps(art)
 
 
 def earliest_stop_steps(art: ARTParams) -> int:
     """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
-    patience - 1`` at the earliest, and it loads through the end of that chunk of ``ART_CHUNK`` steps."""
-    return -(-(max(1, art.min_steps) + art.patience) // ART_CHUNK) * ART_CHUNK
+    patience - 1`` at the earliest (the leader's first chunk ends there)."""
+    return max(1, art.min_steps) + art.patience
 
 
 def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """ART splits for the leader scheme: one program per multiprocessor (rounded down).  Under
     :func:`choose_num_splits` the leader's range is then at least twice the walk's earliest end."""
     return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
-
-
-def blocks_loaded(steps: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int = ART_BLOCK_SIZE) -> torch.Tensor:
-    """KV blocks each program really loaded, ``[B, Hkv, splits]``, from ``art_decode``'s ``steps``.
-
-    An ART program loads whole chunks of ``ART_CHUNK`` steps of its range (the chunk in which
-    it stops is loaded to its end and the surplus discarded); a dense program loads its range.
-    ``cache_seqlens``: ``[B]`` the lengths the call used.
-    """
-    splits = steps.shape[-1]
-    num_blocks = (cache_seqlens.to(steps.device, torch.long) + block_size - 1) // block_size
-    per_split = (num_blocks + splits - 1) // splits
-    first = torch.arange(splits, device=steps.device) * per_split[:, None]
-    range_len = (num_blocks[:, None] - first).clamp(min=0).minimum(per_split[:, None])[:, None, :]
-    chunks = (steps.long() + ART_CHUNK - 1) // ART_CHUNK
-    return torch.minimum(chunks * ART_CHUNK, range_len)
 
 
 def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

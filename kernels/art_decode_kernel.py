@@ -14,18 +14,19 @@ as the simulator's ``mode="kernel"`` replay (``art_analysis.blockwise``)::
     m_new = max(m, max s); alpha = exp(m - m_new); p = exp(s - m_new)
     l = alpha l + sum p;  acc = alpha acc + p.to(v.dtype) @ v_blk
 
-With ``ART`` the walk runs in chunks of ``ART_CHUNK`` steps (an inner, software-pipelined
-loop whose K/V loads do not depend on the monitor, so they can be issued stages ahead).
-The leader split (split 0) evaluates the monitor of ``kernels.art_params`` after every
-step and latches a per-head *done* bit; once every head of the group is done, the state
-of that step is kept (a copy taken with ``where`` while the walk runs: the online-softmax
-recurrence itself never waits for the monitor, and the blocks of the rest of the chunk,
-already in flight in the pipeline, update only the discarded running state), the program
-issues no K/V loads past its current chunk, and it raises the ``(b, kv_head)`` *converged*
-flag in global memory.  Follower splits run the same monitored step with a patience out of
-reach (their monitor never stops them and is discarded, so that in a walk that does not stop
-every program takes the same time per block), poll that flag between chunks and stop too;
-the combine then ignores them (see ``kernels.art_decode``).
+With ``ART`` the walk runs in chunks (an inner, software-pipelined loop whose K/V loads do not
+depend on the monitor, so they can be issued stages ahead, and are issued for the chunk's steps
+only).  Every step evaluates the monitor of ``kernels.art_params`` and latches a per-head *done*
+bit.  The leader split (split 0) sizes each chunk to the *horizon*: the fewest steps after which
+its whole group can be done (a head that is not done needs ``patience - count`` more stable
+steps, counted from ``first_counted``; a shorter chunk is always safe, so it is clamped to
+``HORIZON_CAP``).  Its group can therefore be done only at the last step of a chunk: it stops
+there, with the state of its stop step, having computed and loaded no block past it, and it
+raises the ``(b, kv_head)`` *converged* flag in global memory.  Follower splits run the same
+monitored step with a patience out of reach (their monitor never stops them and is discarded, so
+that in a walk that does not stop every program takes the same time per block), in chunks of
+``ART_CHUNK`` steps, poll that flag between chunks and stop too; the combine then ignores them
+(see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -35,8 +36,7 @@ zero on entry); the program that arrives last merges the group's partials into `
 ``lse`` (``kernels.art_decode_combine.combine_group``) and resets the counter and the
 converged flag to 0 (``kernels.art_decode``, *one launch*).  Every program writes
 ``steps [B, Hkv, splits]`` (int32): the steps whose blocks entered its state (the leader's
-stop step + 1 when it stopped); the blocks it loaded are those rounded up to whole chunks
-(``kernels.art_decode.blocks_loaded``).
+stop step + 1 when it stopped), which are the blocks it loaded.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ import triton
 import triton.language as tl
 
 from .art_decode_combine import combine_group
+
+
+HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this many steps (ART walks are no longer)
 
 
 @triton.jit
@@ -84,21 +87,33 @@ def _load_tile(src, rows, valid, first_row, b, kv_head,
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, b, kv_head, sm_scale,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
-    """One step of the online softmax: returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.
-
-    ``k_src``, ``v_src``: tensor descriptors (one bulk copy per tile; rows past the length read as
-    zeros) or base pointers with the ``k_rows`` / ``v_rows`` offsets (invalid tokens masked to zeros),
-    as ``LOADS`` says."""
+def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, page_size,
+                stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
+                LOADS: tl.constexpr):
+    """Token validity ``[BLOCK_N]`` and the K and V tiles ``[BLOCK_N, D]`` of traversal step ``step``, both
+    taken before the step's scores (``k_src``, ``v_src``: tensor descriptors, one bulk copy per tile with rows
+    past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
+    Taking V first keeps the 64-dim multi-split build's MMAs interleaved (``benchmarks/NOTES-art-decode.md``,
+    V14)."""
+    valid, k_rows, v_rows, first_row = _block_rows(
+        step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
     k = _load_tile(k_src, k_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+    v = _load_tile(v_src, v_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+    return valid, k, v
+
+
+@triton.jit
+def _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax over the loaded ``k``, ``v`` tiles ``[BLOCK_N, D]`` (invalid tokens:
+    ``valid [BLOCK_N]`` false): returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l_new = alpha * l + tl.sum(p, 1)
-    v = _load_tile(v_src, v_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_new, acc_new
 
@@ -110,12 +125,10 @@ def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src
                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
-        valid, k_rows, v_rows, first_row = _block_rows(
-            t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
-            stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-            BLOCK_N, SINK_RECENCY, PAGED)
-        m, l, acc = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows, first_row, b, kv_head,
-                                  sm_scale, BLOCK_N, HEAD_DIM, DOT_PRECISION, LOADS)
+        valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                                  page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                  BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
+        m, l, acc = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
     return m, l, acc
 
 
@@ -239,8 +252,6 @@ def art_decode_split_kernel(
         count = tl.zeros([BLOCK_H], tl.int32)
         done = tl.zeros([BLOCK_H], tl.int32)
         group_done = start * 0
-        # the state at the leader's stop step (the walk's state while it has not stopped)
-        stop_m, stop_l, stop_acc = m, l, acc
         step = start
         if SINGLE_SPLIT:
             converged = 0
@@ -248,7 +259,14 @@ def art_decode_split_kernel(
             converged = _read_flag(flag_ptr + bh)
         go = (step < end) & (converged == 0)
         while go:
-            chunk_end = tl.minimum(step + ART_CHUNK, end)
+            # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
+            # not done needs `patience - count` more stable steps, counted from `first_counted`), so its stop
+            # step is always the last step of a chunk: it never computes or loads a block past it.  Followers
+            # poll the flag every ART_CHUNK steps.  int32: `count` stays below HORIZON_CAP while the walk runs.
+            need = tl.where(done != 0, 0, tl.minimum(patience, HORIZON_CAP) - count
+                            + tl.minimum(tl.maximum(first_counted - step, 0), HORIZON_CAP).to(tl.int32))
+            horizon = tl.where(is_leader, tl.max(tl.where(row_valid, need, 0), 0), ART_CHUNK)
+            chunk_end = tl.minimum(step + horizon, end)
             # With several splits every program runs the monitored step (a follower's heads are never done
             # and its monitor is discarded), so that in a walk that does not stop all programs take the same
             # time per block and share the bandwidth evenly.  A single-split launch has no followers: its
@@ -257,30 +275,21 @@ def art_decode_split_kernel(
             # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
             if is_leader or not SINGLE_SPLIT:
                 for t in tl.range(step, chunk_end):
-                    valid, k_rows, v_rows, first_row = _block_rows(
-                        t, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
-                        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                        BLOCK_N, SINK_RECENCY, PAGED)
-                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k_src, v_src, valid, k_rows, v_rows,
-                                                          first_row, b, kv_head, sm_scale, BLOCK_N, HEAD_DIM,
-                                                          DOT_PRECISION, LOADS)
+                    valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                              stride_table_b, page_size, stride_k0, stride_kh, stride_kt, stride_v0,
+                                              stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
+                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
                     norm, count, done = _probe_update(
                         acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
-                    running = group_done == 0
-                    stop_m = tl.where(running, m_new, stop_m)
-                    stop_l = tl.where(running, l_new, stop_l)
-                    stop_acc = tl.where(running, acc_new, stop_acc)
-                    visited += running.to(visited.dtype)
-                    group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
                     m, l, acc = m_new, l_new, acc_new
+                group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
             else:
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                         table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
                                         stride_v0, stride_vh, stride_vt, sm_scale,
                                         BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
-                visited += chunk_end - step
-                stop_m, stop_l, stop_acc = m, l, acc
+            visited += chunk_end - step
             step = chunk_end
             if not SINGLE_SPLIT:
                 # the leader raises the flag and never reads it (its own done bits decide); followers poll it
@@ -289,7 +298,6 @@ def art_decode_split_kernel(
                 else:
                     converged = _read_flag(flag_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
-        m, l, acc = stop_m, stop_l, stop_acc
     else:
         m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                 table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,

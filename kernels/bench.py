@@ -50,7 +50,7 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, blocks_loaded, choose_num_splits,
+from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, choose_num_splits,
                          dense_range_ends_first, leader_splits)
 from .art_params import ARTParams
 from .results_io import write_json_atomic
@@ -152,11 +152,10 @@ def _peer_fns(q, k, v, flex: bool) -> dict:
 
 
 def _loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None)) -> float:
-    """KV blocks really loaded by the programs of ``splits`` (from ``art_decode``'s
-    ``steps [B, Hkv, splits]``) over all blocks of full-length sequences (block size 64)."""
-    lengths = torch.full((steps.shape[0],), seqlen, device=steps.device)
-    loaded = blocks_loaded(steps, lengths)[..., splits]
-    return float(loaded.sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / 64))
+    """KV blocks loaded by the programs of ``splits`` (``art_decode``'s ``steps [B, Hkv, splits]``: a
+    program loads exactly the blocks of the steps it visited) over all blocks of full-length sequences
+    (block size ``ART_BLOCK_SIZE``)."""
+    return float(steps[..., splits].sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / ART_BLOCK_SIZE))
 
 
 def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False,

@@ -191,6 +191,29 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
 
 
+@pytest.mark.parametrize("splits, config", [(1, ART_CONFIGS[0]), (1, ART_CONFIGS[1]), (1, ART_CONFIGS[4]),
+                                             (2, ARTConfig(tau=1e-3, phi=1e-4, patience=3))])
+def test_no_block_past_the_leaders_stop_step_enters_its_state(splits, config):
+    """Blocks of the leader's range after its stop step are NaN-poisoned: a chunk that ran past the stop
+    would carry NaN into the state it keeps."""
+    q, k, v = synthetic_inputs(3, 8, 2, 1536, 64, torch.float16, CPU, seed=5)   # 24 steps of 64 tokens
+    out, lse, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=splits, return_lse=True,
+                                 return_stats=True)
+    leader_range = -(-24 // splits)
+    k_poisoned, v_poisoned = k.clone(), v.clone()
+    stopped = steps[..., 0] < leader_range
+    assert stopped.any(), "the case must have leaders that stop inside their range"
+    for b, kv_head in stopped.nonzero().tolist():
+        for step in range(int(steps[b, kv_head, 0]), leader_range):
+            block = 0 if step == 0 else 24 - step
+            k_poisoned[b, kv_head, block * 64:(block + 1) * 64] = float("nan")
+            v_poisoned[b, kv_head, block * 64:(block + 1) * 64] = float("nan")
+    again = art_decode(q, k_poisoned, v_poisoned, art=config.kernel_params(), num_splits=splits, return_lse=True,
+                       return_stats=True)
+    assert torch.equal(again[2], steps)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
     from kernels.art_params import ARTParams

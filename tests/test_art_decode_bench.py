@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import blocks_loaded, choose_num_splits, earliest_stop_steps
+from kernels.art_decode import choose_num_splits, earliest_stop_steps
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
 
@@ -14,36 +14,15 @@ def test_kv_bytes_counts_k_and_v_once():
     assert kv_bytes(k) == 2 * 3 * 8 * 1000 * 128 * 2
 
 
-def test_blocks_loaded_rounds_art_walks_up_to_whole_chunks_inside_each_range(monkeypatch):
-    monkeypatch.setattr(art_decode_module, "ART_CHUNK", 8)
-    # 20 blocks of 64 in 3 splits: ranges of 7, 7 and 6 blocks; 2 blocks of 64 in 3 splits: 1, 1, 0.
-    steps = torch.tensor([[[3, 7, 6]], [[1, 1, 0]]], dtype=torch.int32)
-    loaded = blocks_loaded(steps, torch.tensor([20 * 64, 100]), block_size=64)
-    assert loaded.tolist() == [[[7, 7, 6]], [[1, 1, 0]]]
-    steps = torch.tensor([[[9]], [[17]]], dtype=torch.int32)
-    loaded = blocks_loaded(steps, torch.tensor([40 * 64, 40 * 64]), block_size=64)
-    assert loaded.tolist() == [[[16]], [[24]]]
-
-
-def test_dense_steps_are_the_blocks_of_each_range():
-    lengths = torch.tensor([1, 63, 65, 1027])
-    blocks = (lengths + 63) // 64
-    splits = 3
-    per_split = (blocks + splits - 1) // splits
-    steps = torch.stack([(blocks - s * per_split).clamp(min=0).minimum(per_split) for s in range(splits)], -1)
-    loaded = blocks_loaded(steps[:, None, :].int(), lengths, block_size=64)
-    assert torch.equal(loaded.sum(-1)[:, 0], blocks)
-
-
 def test_split_heuristics_fill_one_wave(monkeypatch):
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     assert choose_num_splits(1, 8, 512, None, art=None) == 16       # 128 programs, not 136
     assert choose_num_splits(32, 3, 512, None, art=None) == 2       # 96 programs would idle 27 % of the SMs
     assert choose_num_splits(32, 8, 512, None, art=None) == 1
     assert choose_num_splits(1, 8, 8, None, art=None) == 2          # at least MIN_STEPS_PER_SPLIT blocks each
-    monitor = ARTParams()                                           # done at step 16 at the earliest: 32 steps
-    assert earliest_stop_steps(monitor) == 32
-    assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 64   # done at step 48
+    monitor = ARTParams()                                           # done at step 16 at the earliest: 17 steps
+    assert earliest_stop_steps(monitor) == 17
+    assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
     assert choose_num_splits(1, 8, 2048, None, art=monitor) == 1     # 8 pairs: one split
     assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense: 47 steps; leader scheme,
     assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # one program per multiprocessor
@@ -51,11 +30,11 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 33
     assert choose_num_splits(8, 8, 2048, None, art=None, block_size=64) == 4
     assert choose_num_splits(128, 3, 512, None, art=None, block_size=64) == 1
-    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1   # dense would walk 62 > 32 steps
-    # a dense program's range no longer than the walk's earliest end: the dense count
+    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1   # dense would walk 62 > 2 x 17 steps
+    # a dense program's range no longer than ART_STOP_MARGIN (2) earliest ends: the dense count
     assert choose_num_splits(1, 8, 512, None, art=monitor, block_size=64) == 33    # dense walks 16 steps
-    assert choose_num_splits(8, 8, 128, None, art=monitor, block_size=64) == 4     # 32 steps: not shorter
-    assert choose_num_splits(8, 8, 129, None, art=monitor, block_size=64) == 1
+    assert choose_num_splits(8, 8, 136, None, art=monitor, block_size=64) == 4     # 34 steps: not longer
+    assert choose_num_splits(8, 8, 137, None, art=monitor, block_size=64) == 1     # 35 steps
     assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 88   # 24 steps (SmolLM2 B = 1, 128k)
 
 

@@ -105,3 +105,14 @@ def test_an_empty_cache_is_rejected():
     with pytest.raises(ValueError, match="at least one page"):
         art_decode(q, torch.randn(4, 0, 1, 64), torch.randn(4, 0, 1, 64),
                    block_table=torch.zeros(1, 2, dtype=torch.int32))
+
+
+def test_an_art_walk_longer_than_the_kernel_supports_is_rejected(monkeypatch):
+    import kernels.art_decode as art_decode_module
+
+    monkeypatch.setattr(art_decode_module, "MAX_ART_STEPS", 2)
+    q, k, v = _inputs(seqlen=192)                                    # 3 blocks of 64
+    with pytest.raises(ValueError, match="an ART walk is at most 2 blocks"):
+        art_decode(q, k, v, art=ARTConfig().kernel_params())
+    art_decode(q, k, v, art=ARTConfig().kernel_params(), block_size=128)   # 2 blocks of 128
+    art_decode(q, k, v)                                              # dense walks have no such limit
