@@ -53,11 +53,14 @@ mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hen
 (:func:`choose_num_splits`): when a dense program's range would be no longer than
 ``ART_STOP_MARGIN`` (2) earliest ends, ART takes the dense split count, the leader scheme over
 it: about the dense time plus the monitor, and few or no blocks saved, since the leader's range
-is too short to stop in (V14: B = 1, 8k and 32k, 0.023 and 0.053 ms against 0.073 with one
-split at 32k; dense 0.021 and 0.048; SmolLM2 B = 1, 128k, a dense range of 24 steps: 0.049 ms
-at the dense count, 0.064 with the leader scheme over one wave of 44 splits).  Otherwise one split from
+is too short to stop in (SmolLM2 B = 1, 128k, a dense range of 24 steps: 0.049 ms at the dense
+count, 0.064 with the leader scheme over one wave of 44 splits; V14).  Otherwise one split from
 ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving), else the
-leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.
+leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.  When even the
+leader's range is shorter than the earliest stop (:func:`leader_can_stop`: B = 1 up to 32k, the SmolLM2
+layer at B = 1 up to 32k), no walk can stop and the call runs the dense walk of its split count, without
+the monitor, with the same result bit for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms,
+against 0.073 with one split at 32k; SmolLM2 B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022).
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
@@ -227,6 +230,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if art is not None and not leader_can_stop(max_steps, num_splits, art):
+        art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
 
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
     lse = _scratch((batch, q_heads), torch.float32, q.device)
@@ -304,6 +309,14 @@ def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams) ->
     than ``ART_STOP_MARGIN`` times the monitored walk's earliest end (:func:`earliest_stop_steps`);
     ART then takes the dense split count (:func:`choose_num_splits`)."""
     return -(-max_steps // dense_splits) <= ART_STOP_MARGIN * earliest_stop_steps(art)
+
+
+def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
+    """Whether the leader's range (``max_steps / num_splits`` blocks, rounded up) reaches the walk's
+    earliest stop (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor
+    cannot change the result: :func:`art_decode` then runs the dense walk of that split count, whose
+    output, ``lse`` and ``steps`` (every program's range) are those of the monitored walk bit for bit."""
+    return -(-max_steps // num_splits) >= earliest_stop_steps(art)
 
 
 def earliest_stop_steps(art: ARTParams) -> int:

@@ -7,6 +7,7 @@ checks at real sizes in bf16 (``pytest -m gpu``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -214,21 +215,49 @@ def test_no_block_past_the_leaders_stop_step_enters_its_state(splits, config):
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_walk_that_cannot_stop_runs_without_the_monitor(monkeypatch, splits):
+    q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=11)   # 24 steps
+    config = ARTConfig(tau=1e9, phi=2.0, patience=30).kernel_params()            # stable at once, but 31 > 24
+    dense = art_decode(q, k, v, num_splits=splits, block_size=64, return_lse=True, return_stats=True)
+    launched = []
+    kernel = art_decode_module.art_decode_split_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["ART"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", Recorder())
+    got = art_decode(q, k, v, art=config, num_splits=splits, return_lse=True, return_stats=True)
+    assert launched == [False]
+    assert all(torch.equal(a, b) for a, b in zip(got, dense))
+    art_decode(q, k, v, art=dataclasses.replace(config, patience=20), num_splits=1)   # 21 <= 24: it can stop
+    assert launched == [False, True]
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
     from kernels.art_params import ARTParams
 
-    q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=17)   # 24 steps
+    # sequence 0: 24 steps; sequence 1: 48 steps, so that the monitor runs (its leader's range reaches the
+    # earliest stop) while sequence 0's leader range ends before its first counted step
+    q, k, v = synthetic_inputs(2, 6, 2, 3072, 64, torch.float16, CPU, seed=17)
+    lengths = torch.tensor([1536, 3072])
     leader_steps = -(-24 // splits)
-    # every step from min_steps on is stable at patience 1: the leader's range ends before it, while a
+    # every step from min_steps on is stable at patience 1: sequence 0's leader never counts a step, while a
     # follower's first step would finish its own monitor at once if that could stop it
     loose = ARTParams(tau=1e9, phi=2.0, patience=1, min_steps=leader_steps)
-    dense = art_decode(q, k, v, num_splits=splits, block_size=64, return_lse=True)
-    out, lse, steps = art_decode(q, k, v, art=loose, num_splits=splits, return_lse=True, return_stats=True)
-    assert torch.equal(out, dense[0]) and torch.equal(lse, dense[1])
+    dense = art_decode(q, k, v, cache_seqlens=lengths, num_splits=splits, block_size=64, return_lse=True)
+    out, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, art=loose, num_splits=splits, return_lse=True,
+                                 return_stats=True)
+    assert torch.equal(out[0], dense[0][0]) and torch.equal(lse[0], dense[1][0])
     ranges = torch.tensor([min(leader_steps, 24 - s * leader_steps) for s in range(splits)], dtype=torch.int32)
-    assert torch.equal(steps, ranges.expand_as(steps))
-    single_steps = art_decode(q, k, v, art=loose, num_splits=1, return_stats=True)[1]
+    assert torch.equal(steps[0], ranges.expand_as(steps[0]))
+    assert (steps[1, :, 0] == leader_steps + 1).all(), "sequence 1's leader stops at its first counted step"
+    single_steps = art_decode(q[:1], k[:1, :, :1536], v[:1, :, :1536], art=loose, num_splits=1, return_stats=True)[1]
     assert (single_steps == leader_steps + 1).all(), "a single walk stops at the first counted step"
 
 
@@ -240,8 +269,9 @@ def test_zero_thresholds_are_bit_identical_to_dense(splits):
     seqlens = torch.tensor([900, 517], dtype=torch.int32)
     dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, block_size=64, return_lse=True,
                        return_stats=True)
-    never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
-                       return_lse=True, return_stats=True)
+    # patience 2: the leader's range (5 steps at 3 splits) reaches the earliest stop, so the monitor runs
+    never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0, patience=2),
+                       num_splits=splits, return_lse=True, return_stats=True)
     for a, b in zip(dense, never):
         assert torch.equal(a, b)
 
@@ -382,7 +412,9 @@ def test_converged_flag_is_cleared_for_the_next_call():
     assert (steps[..., 0] < 12).any()
     assert arrival_counters_all_zero()
     dense = art_decode(q, k, v, num_splits=2, block_size=64, return_lse=True, return_stats=True)
-    never = art_decode(q, k, v, art=ARTParams(tau=0.0, phi=0.0), num_splits=2, return_lse=True, return_stats=True)
+    # the same monitored walk (patience 3: the leader's 12 steps reach the earliest stop), which never stops
+    never = art_decode(q, k, v, art=ARTParams(tau=0.0, phi=0.0, patience=3), num_splits=2, return_lse=True,
+                       return_stats=True)
     for a, b in zip(dense, never):
         assert torch.equal(a, b)
 
@@ -425,8 +457,9 @@ def test_gpu_zero_thresholds_bit_identical_and_fully_written(monkeypatch):
     for splits in (1, 7, 32):
         dense = art_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, block_size=64, return_lse=True,
                            return_stats=True)
-        never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0), num_splits=splits,
-                           return_lse=True, return_stats=True)
+        # patience 2: every leader range (8 steps at 32 splits) reaches the earliest stop, so the monitor runs
+        never = art_decode(q, k, v, cache_seqlens=seqlens, art=ARTParams(tau=0.0, phi=0.0, patience=2),
+                           num_splits=splits, return_lse=True, return_stats=True)
         assert torch.isfinite(dense[0]).all() and torch.isfinite(dense[1]).all()
         for a, b in zip(dense, never):
             assert torch.equal(a, b)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import choose_num_splits, earliest_stop_steps
+from kernels.art_decode import choose_num_splits, earliest_stop_steps, leader_can_stop
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
 
@@ -38,6 +38,16 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 88   # 24 steps (SmolLM2 B = 1, 128k)
 
 
+def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop():
+    monitor = ARTParams()                                                        # earliest stop: 17 steps
+    assert leader_can_stop(17, 1, monitor) and not leader_can_stop(16, 1, monitor)
+    assert not leader_can_stop(512, 33, monitor)                                 # B = 1, 32k: 16 steps each
+    assert leader_can_stop(2048, 33, monitor)                                    # B = 1, 128k: 63 steps
+    assert leader_can_stop(128, 4, monitor)                                      # B = 8, 8k: 32 steps
+    assert not leader_can_stop(64, 4, ARTParams(patience=13, min_steps=4))      # 16 steps < 17
+    assert leader_can_stop(64, 4, ARTParams(patience=12, min_steps=4))
+
+
 def test_tile_batch_repeats_rows_cyclically():
     x = torch.arange(6).view(2, 3)
     assert tile_batch((x,), 5)[0].tolist() == [[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4, 5], [0, 1, 2]]
@@ -51,11 +61,15 @@ def test_summary_checks_the_targets_on_the_rows():
             row("art_never", 1.05), row("art", 0.2, meets_time_bound=False),
             row("cudnn_sdpa", 0.05, batch=1), row("art_dense", 0.06, batch=1), row("art_dense_bs64", 0.06, batch=1),
             row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True, dense_split_count=True),
-            dict(data="synthetic", batch=1, seqlen=32768, impl="flex_attention", error="compile error")]
+            dict(data="synthetic", batch=1, seqlen=32768, impl="flex_attention", error="compile error"),
+            # a row whose monitor cannot stop any walk runs the dense walk: not a monitor overhead
+            row("art_dense_bs64", 0.01, batch=1, seqlen=8192), row("art_never", 0.02, batch=1, seqlen=8192,
+                                                                   monitor_runs=False)]
     summary = summarise(rows, 4.2)
     assert abs(summary["dense_over_best_peer_throughput_b16plus_min"] - 1.0 / 1.02) < 1e-12
     assert summary["b1_s32k"] == {"art_dense_ms": 0.06, "best_peer_ms": 0.05}
     assert abs(summary["monitor_overhead_max"] - 0.05) < 1e-12
+    assert summary["monitor_overhead_rows"] == 2 and summary["monitor_skipped_rows"] == 1
     assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
     assert summary["art_rows_meeting_time_bound_at_the_dense_split_count"] == 1
 
