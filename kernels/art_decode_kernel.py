@@ -94,8 +94,8 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
     """Token validity ``[BLOCK_N]`` and the K and V tiles ``[BLOCK_N, D]`` of traversal step ``step``, both
     taken before the step's scores (``k_src``, ``v_src``: tensor descriptors, one bulk copy per tile with rows
     past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
-    Taking V first keeps the 64-dim multi-split build's MMAs interleaved (``benchmarks/NOTES-art-decode.md``,
-    V14)."""
+    Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
+    (``benchmarks/NOTES-art-decode.md``, V14)."""
     valid, k_rows, v_rows, first_row = _block_rows(
         step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
