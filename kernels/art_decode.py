@@ -288,9 +288,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
     unless that leaves more than a quarter of the multiprocessors idle; at least
     ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when a dense program's range is
-    no longer than the monitored walk's earliest end (:func:`dense_range_ends_first`), since the
-    walk could not end before the split-K dense walk; else one split once there are
-    ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
+    no longer than ``ART_STOP_MARGIN`` times the monitored walk's earliest end
+    (:func:`dense_range_ends_first`), since a walk that stops after that many steps could not end
+    before the split-K dense walk; else one split once there are ``ART_SINGLE_SPLIT_PROGRAMS``
+    ``(b, kv_head)`` pairs, else :func:`leader_splits`.
     """
     programs = batch * kv_heads
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
