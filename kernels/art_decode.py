@@ -253,7 +253,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
-                      leader_steps=-(-max_steps // num_splits) if art is not None and num_splits > 1 else None)
+                      leader_steps=_split_steps(max_steps, num_splits) if art is not None and num_splits > 1 else None)
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads)
     block_g = triton.next_power_of_2(group)
     k_arg, v_arg = k_cache, v_cache
@@ -309,7 +309,7 @@ def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams) ->
     """Whether a dense program's range (``max_steps / dense_splits`` blocks, rounded up) is no longer
     than ``ART_STOP_MARGIN`` times the monitored walk's earliest end (:func:`earliest_stop_steps`);
     ART then takes the dense split count (:func:`choose_num_splits`)."""
-    return -(-max_steps // dense_splits) <= ART_STOP_MARGIN * earliest_stop_steps(art)
+    return _split_steps(max_steps, dense_splits) <= ART_STOP_MARGIN * earliest_stop_steps(art)
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
@@ -317,7 +317,12 @@ def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
     earliest stop (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor
     cannot change the result: :func:`art_decode` then runs the dense walk of that split count, whose
     output, ``lse`` and ``steps`` (every program's range) are those of the monitored walk bit for bit."""
-    return -(-max_steps // num_splits) >= earliest_stop_steps(art)
+    return _split_steps(max_steps, num_splits) >= earliest_stop_steps(art)
+
+
+def _split_steps(max_steps: int, num_splits: int) -> int:
+    """Blocks in a split's range (the first split's; the kernel's ``steps_per_split``) for a walk of ``max_steps``."""
+    return -(-max_steps // num_splits)
 
 
 def earliest_stop_steps(art: ARTParams) -> int:

@@ -283,6 +283,8 @@ def art_decode_split_kernel(
                         acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
                     m, l, acc = m_new, l_new, acc_new
+                # (derived from the done bits here, not from the next horizon being 0: that placement compiled
+                # the 64-dim multi-split step with serialised MMAs; benchmarks/NOTES-art-decode.md, V14)
                 group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
             else:
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
