@@ -32,8 +32,16 @@ rows also report the *loaded fraction*, the K/V blocks the programs really loade
 (``return_stats``) over all blocks, and check the target
 ``ms <= 1.15 * loaded_fraction * dense_ms + 0.010``.
 
+A monitored walk is sequential: its step ``t`` cannot start before step ``t - 1`` has been checked.  So
+an ART call cannot end before its longest leader walk (``leader_steps_max`` blocks) has run at the
+fastest a walk runs, alone on a multiprocessor.  That per-block time is measured once per data kind
+(:func:`lone_walk_latency`: one split, never-terminating thresholds, B = 1, two lengths; the slope is
+``step_us``, the intercept ``fixed_us``), and each ART row reports its *latency floor*
+``fixed_us + leader_steps_max * step_us`` and whether the time bound lies below it (a bound no walk of
+this step time can meet, whatever the traffic).
+
 ``run(out_dir, quick, art=..., make_cache=..., capture=...)`` writes
-``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, every row, summary).
+``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, every row, summary).
 """
 from __future__ import annotations
 
@@ -65,6 +73,7 @@ CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
 SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
+LONE_WALK_LENGTHS = (8192, 32768)
 ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -160,10 +169,31 @@ def _loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(Non
     return float(steps[..., splits].sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / ART_BLOCK_SIZE))
 
 
+def lone_walk_latency(make_qkv: Callable[[int], tuple], rep_ms: int, rounds: int = ROUNDS) -> dict:
+    """The time per block of a monitored walk alone on its multiprocessor: ART with never-terminating
+    thresholds and one split on ``make_qkv(seqlen)`` (``(q, k, v)`` with ``B = 1``: a few programs on an
+    idle GPU) at the two ``LONE_WALK_LENGTHS``, the median CUDA-graph time of ``rounds`` rounds each.
+    Returns ``{"lengths", "ms", "step_us", "fixed_us"}``: the slope per block and the intercept (launch,
+    first loads, epilogue)."""
+    times = []
+    for seqlen in LONE_WALK_LENGTHS:
+        q, k, v = make_qkv(seqlen)
+        if q.shape[0] != 1:
+            raise ValueError(f"the lone walk is timed at batch 1, got q of shape {tuple(q.shape)}")
+        times.append(statistics.median(graph_ms(lambda: art_decode(q, k, v, art=NEVER, num_splits=1), rep_ms)
+                                       for _ in range(rounds)))
+        del q, k, v
+    steps = [math.ceil(seqlen / ART_BLOCK_SIZE) for seqlen in LONE_WALK_LENGTHS]
+    step_ms = (times[1] - times[0]) / (steps[1] - steps[0])
+    return {"lengths": list(LONE_WALK_LENGTHS), "ms": times, "step_us": step_ms * 1e3,
+            "fixed_us": (times[0] - steps[0] * step_ms) * 1e3}
+
+
 def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False,
-                rounds: int = ROUNDS) -> list[dict]:
+                rounds: int = ROUNDS, lone_walk: dict | None = None) -> list[dict]:
     """Time every implementation on one ``(q, k, v)`` (graph times in ``rounds`` interleaved rounds); one
-    row per implementation."""
+    row per implementation.  ``lone_walk``: :func:`lone_walk_latency` of this data kind, for the ART
+    row's latency floor."""
     batch, q_heads, head_dim = q.shape
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
@@ -185,7 +215,9 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),
               "art": dict(num_splits=steps.shape[-1], loaded_fraction=loaded,
                           dense_split_count=dense_range_ends_first(blocks, splits, art),
-                          monitor_runs=leader_can_stop(blocks, steps.shape[-1], art))}
+                          monitor_runs=leader_can_stop(blocks, steps.shape[-1], art),
+                          leader_steps_mean=float(steps[..., 0].float().mean()),
+                          leader_steps_max=int(steps[..., 0].max()))}
     results = _time_interleaved(calls, rep_ms, rounds)
     rows = []
     for impl, result in results.items():
@@ -202,6 +234,10 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     if "ms" in by_impl["art"] and "ms" in dense:
         by_impl["art"]["time_bound_ms"] = 1.15 * loaded * dense["ms"] + 0.010
         by_impl["art"]["meets_time_bound"] = by_impl["art"]["ms"] <= by_impl["art"]["time_bound_ms"]
+        if lone_walk is not None:
+            floor = (lone_walk["fixed_us"] + by_impl["art"]["leader_steps_max"] * lone_walk["step_us"]) / 1e3
+            by_impl["art"]["latency_floor_ms"] = floor
+            by_impl["art"]["time_bound_below_latency_floor"] = by_impl["art"]["time_bound_ms"] < floor
     _speedups(rows)
     return rows
 
@@ -272,8 +308,9 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     return rows
 
 
-def summarise(rows: list[dict], ceiling: float) -> dict:
-    """The issue's targets, checked on the rows of the main grid."""
+def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -> dict:
+    """The issue's targets, checked on the rows of the main grid; with ``lone_walk`` (``{data:``
+    :func:`lone_walk_latency` ``}``) also each data kind's time per block of a lone walk."""
     by_shape: dict = {}
     monitor_skipped = set()
     for r in rows:
@@ -305,7 +342,10 @@ def summarise(rows: list[dict], ceiling: float) -> dict:
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
         "art_rows_meeting_time_bound_at_the_dense_split_count": sum(
             r["meets_time_bound"] and r.get("dense_split_count", False) for r in art_rows),
+        "art_rows_missing_time_bound_below_latency_floor": sum(
+            not r["meets_time_bound"] and r.get("time_bound_below_latency_floor", False) for r in art_rows),
         "art_rows": len(art_rows),
+        **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
     }
 
 
@@ -344,6 +384,11 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
     payload["skipped"] = [dict(batch=b, seqlen=s, reason=f"KV cache over {MAX_KV_BYTES / 2 ** 30:.0f} GiB")
                           for s in lengths for b in batches if 2 * b * KV_HEADS * s * HEAD_DIM * 2 > MAX_KV_BYTES]
     path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json"
+    lone_inputs = {"synthetic": lambda seqlen: tile_batch(structured_sequences(make_cache, seqlen, device), 1)}
+    if capture is not None:
+        lone_inputs["smollm2_layer15_tiled"] = lambda seqlen: tiled_capture(capture, 1, seqlen, device)
+    payload["lone_walk"] = {data: lone_walk_latency(make_qkv, rep_ms)
+                            for data, make_qkv in tqdm(lone_inputs.items(), desc="lone walk")}
     rows, study, sequences = [], [], {}
     for data, batch, seqlen in tqdm(cases, desc="decode bench"):
         if data == "synthetic":
@@ -354,12 +399,13 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
             sequences = {}
             q, k, v = tiled_capture(capture, batch, seqlen, device)
         flex = data == "synthetic" and not quick and (batch, seqlen) in FLEX_CASES
-        rows += bench_shape(q, k, v, data=data, art=art, rep_ms=rep_ms, ceiling=ceiling, flex=flex)
+        rows += bench_shape(q, k, v, data=data, art=art, rep_ms=rep_ms, ceiling=ceiling, flex=flex,
+                            lone_walk=payload["lone_walk"][data])
         if data == "synthetic" and (batch, seqlen) in SPLIT_STUDY:
             study += [{"data": data, **r} for r in split_study(q, k, v, art=art, rep_ms=rep_ms)]
         del q, k, v
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
-    payload.update(rows=rows, split_study=study, complete=True, summary=summarise(rows, ceiling))
+    payload.update(rows=rows, split_study=study, complete=True, summary=summarise(rows, ceiling, payload["lone_walk"]))
     write_json_atomic(path, payload)
     return payload

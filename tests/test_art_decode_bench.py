@@ -72,6 +72,34 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["monitor_overhead_rows"] == 2 and summary["monitor_skipped_rows"] == 1
     assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
     assert summary["art_rows_meeting_time_bound_at_the_dense_split_count"] == 1
+    assert summary["art_rows_missing_time_bound_below_latency_floor"] == 0
+    rows[5]["time_bound_below_latency_floor"] = True                  # the row that misses its bound
+    rows[10]["time_bound_below_latency_floor"] = True                 # meets it: not counted
+    summary = summarise(rows, 4.2, {"synthetic": {"step_us": 1.3, "fixed_us": 4.0}})
+    assert summary["art_rows_missing_time_bound_below_latency_floor"] == 1
+    assert summary["lone_walk_step_us_synthetic"] == 1.3
+
+
+def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
+    import pytest
+
+    import kernels.bench as bench
+
+    lengths = []
+
+    def fake_graph_ms(fn, rep_ms):
+        return 0.004 + 0.0013 * -(-lengths[-1] // 64)              # 4 us fixed, 1.3 us per 64-token block
+
+    def make_qkv(seqlen):
+        lengths.append(seqlen)
+        return torch.empty(1, 4, 64), torch.empty(1, 2, seqlen, 64), torch.empty(1, 2, seqlen, 64)
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    lone = bench.lone_walk_latency(make_qkv, rep_ms=1)
+    assert lengths == list(bench.LONE_WALK_LENGTHS) and lone["lengths"] == lengths
+    assert abs(lone["step_us"] - 1.3) < 1e-9 and abs(lone["fixed_us"] - 4.0) < 1e-9
+    with pytest.raises(ValueError, match="batch 1"):
+        bench.lone_walk_latency(lambda seqlen: (torch.empty(2, 4, 64),) * 3, rep_ms=1)
 
 
 def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
@@ -95,7 +123,8 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench, "_peer_fns", lambda q, k, v, flex: {
         "cudnn_sdpa": lambda: bench.art_decode(q, k, v)[:, :, None], "flash_sdpa": "no kernel for this shape"})
-    rows = bench.bench_shape(q, k, v, data="synthetic", art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=3)
+    rows = bench.bench_shape(q, k, v, data="synthetic", art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=3,
+                             lone_walk={"step_us": 2.0, "fixed_us": 5.0})
     by_impl = {r["impl"]: r for r in rows}
     assert by_impl["flash_sdpa"] == {**{key: by_impl["art"][key] for key in
                                         ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
@@ -107,6 +136,13 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
         assert by_impl[impl]["ms"] == 6.0 + i and by_impl[impl]["eager_ms"] == 0.5
     assert len(order) == 15
     assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 7.0 + 0.010
+    # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
+    _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
+    assert by_impl["art"]["leader_steps_max"] == int(steps[..., 0].max()) > 0
+    assert by_impl["art"]["leader_steps_mean"] == float(steps[..., 0].float().mean())
+    assert by_impl["art"]["latency_floor_ms"] == (5.0 + 2.0 * by_impl["art"]["leader_steps_max"]) / 1e3
+    assert by_impl["art"]["time_bound_below_latency_floor"] == (
+        by_impl["art"]["time_bound_ms"] < by_impl["art"]["latency_floor_ms"])
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
     assert by_impl["art_dense"]["speedup_vs_best_peer"] == 6.0 / 7.0
 

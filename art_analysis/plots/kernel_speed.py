@@ -28,7 +28,9 @@ IMPL_STYLES = {
 def plot_kernel_speed(results: dict, path: str | Path) -> Path:
     """One throughput panel per sequence length (synthetic 32/8 heads, D=128; log scale, the ART
     rows as the whole cache's bytes over their time) plus a panel of ART time / dense time
-    against the loaded fraction, with the target ``1.15 x fraction``."""
+    against the loaded fraction, with the target ``1.15 x fraction`` and, where the results have
+    them, the rows' latency floors (``kernels.bench``: the longest leader walk at the time per block
+    of a lone walk)."""
     rows = [r for r in results["rows"] if "ms" in r]
     synthetic = [r for r in rows if r["data"] == "synthetic"]
     lengths = sorted({r["seqlen"] for r in synthetic})
@@ -53,16 +55,23 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.4, -0.12))
     ax = axes[-1]
     dense = {(r["data"], r["batch"], r["seqlen"]): r["ms"] for r in rows if r["impl"] == "art_dense"}
-    for data, marker in (("synthetic", "D"), ("smollm2_layer15_tiled", "o")):
+    for data, name, marker, color in (("synthetic", "synthetic", "D", "tab:green"),
+                                      ("smollm2_layer15_tiled", "SmolLM2 layer", "o", "tab:olive")):
         sub = [r for r in rows if r["impl"] == "art" and r["data"] == data and (data, r["batch"], r["seqlen"]) in dense]
         if sub:
             ax.scatter([r["loaded_fraction"] for r in sub],
-                       [r["ms"] / dense[(data, r["batch"], r["seqlen"])] for r in sub], marker=marker, label=data)
+                       [r["ms"] / dense[(data, r["batch"], r["seqlen"])] for r in sub], marker=marker, color=color,
+                       label=name)
+        floored = [r for r in sub if "latency_floor_ms" in r]
+        if floored:
+            ax.scatter([r["loaded_fraction"] for r in floored],
+                       [r["latency_floor_ms"] / dense[(data, r["batch"], r["seqlen"])] for r in floored],
+                       marker="_", s=80, color=color, label=f"{name}: longest walk x lone step")
     ax.plot([0, 1], [0, 1.15], color="red", linewidth=0.8, linestyle=":", label="target 1.15 x fraction")
     ax.set_xlabel("loaded fraction of the KV blocks")
     ax.set_ylabel("ART time / dense time")
     ax.set_title("ART: time against traffic")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left")
     fig.suptitle(f"{results['device']}: decode attention, Hq/Hkv = 32/8, D = 128, bf16 "
                  f"(CUDA-graph do_bench medians, {results['date'][:10]}; ART rows count the whole cache)")
     return save_figure(fig, path)
