@@ -50,11 +50,17 @@ A lone walk is latency-bound (about 1.3 us per block), so a monitored walk that 
 step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
-(:func:`choose_num_splits`): when a dense program's range would be no longer than
-``ART_STOP_MARGIN`` (2) earliest ends, ART takes the dense split count, the leader scheme over
-it: about the dense time plus the monitor, and few or no blocks saved, since the leader's range
-is too short to stop in (SmolLM2 B = 1, 128k, a dense range of 24 steps: 0.049 ms at the dense
-count, 0.064 with the leader scheme over one wave of 44 splits; V14).  Otherwise one split from
+(:func:`choose_num_splits`): when a dense program's range would be no longer than the longest walk
+expected, ART takes the dense split count, the leader scheme over it: about the dense time plus the
+monitor, and few or no blocks saved, since the leader's range is too short to stop in (SmolLM2 B = 1,
+128k, a dense range of 24 steps: 0.049 ms at the dense count, 0.064 with the leader scheme over one
+wave of 44 splits; V14).  A call cannot end before its longest walk, and a lone walk is slower per
+block than the split-K dense walk, so a walk longer than the dense range makes one split the slower
+choice.  Only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the
+longest walk of an earlier call on the same layer); by default it is taken as ``ART_STOP_MARGIN`` (2)
+earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at
+8k-128k) but not the SmolLM2 layer, whose longest walks run to 128-242 steps: at B = 32, 8k and 32k
+one split takes 0.137 / 0.250 ms where the dense count takes 0.068 / 0.206 (V16).  Otherwise one split from
 ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving), else the
 leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.  When even the
 leader's range is shorter than the earliest stop (:func:`leader_can_stop`: B = 1 up to 32k, the SmolLM2
@@ -168,8 +174,8 @@ COMBINE_ROWS = 64          # (query head, split) partial rows the last program m
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
-               block_size: int | None = None, num_splits: int | None = None, return_lse: bool = False,
-               return_stats: bool = False):
+               block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
+               return_lse: bool = False, return_stats: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -186,6 +192,12 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
             ``DENSE_BLOCK_SIZE`` (128).
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_num_splits`.
+        longest_stop_steps: with ``art`` and the default split count, the longest walk expected, in blocks:
+            e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
+            ``return_stats``, or the simulator's stop steps on a captured layer (+ 1).  ART takes the dense
+            split count when a dense program's range is no longer than it (:func:`choose_num_splits`);
+            default ``ART_STOP_MARGIN`` times the earliest stop.  Unused when ``num_splits`` is given or
+            ``art`` is ``None``.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -226,8 +238,12 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         raise ValueError(f"an ART walk is at most {MAX_ART_STEPS} blocks ({MAX_ART_STEPS * block_size} tokens at "
                          f"block_size={block_size}); max(cache_seqlens)={max_len} needs {max_steps}: use a larger "
                          "block_size or art=None")
+    if longest_stop_steps is not None and (isinstance(longest_stop_steps, bool)
+                                           or not isinstance(longest_stop_steps, int) or longest_stop_steps < 1):
+        raise ValueError(f"longest_stop_steps must be a positive int (blocks), got {longest_stop_steps!r}")
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size)
+        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size,
+                                       longest_stop_steps=longest_stop_steps)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if art is not None and not leader_can_stop(max_steps, num_splits, art):
@@ -281,17 +297,17 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
-                      block_size: int = DENSE_BLOCK_SIZE) -> int:
+                      block_size: int = DENSE_BLOCK_SIZE, longest_stop_steps: int | None = None) -> int:
     """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (module docstring).
 
     Dense (``art=None``): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
     (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
     unless that leaves more than a quarter of the multiprocessors idle; at least
     ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when a dense program's range is
-    no longer than ``ART_STOP_MARGIN`` times the monitored walk's earliest end
-    (:func:`dense_range_ends_first`), since a walk that stops after that many steps could not end
-    before the split-K dense walk; else one split once there are ``ART_SINGLE_SPLIT_PROGRAMS``
-    ``(b, kv_head)`` pairs, else :func:`leader_splits`.
+    no longer than the longest walk expected (``longest_stop_steps``, default ``ART_STOP_MARGIN``
+    times the monitored walk's earliest end; :func:`dense_range_ends_first`), since a call cannot
+    end before its longest walk, which would then take longer than the split-K dense walk; else one
+    split once there are ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
     """
     programs = batch * kv_heads
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
@@ -300,16 +316,19 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     if wanted * programs < WAVE_FILL * slots:
         wanted += 1
     dense = max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-    if art is None or dense_range_ends_first(max_steps, dense, art):
+    if art is None or dense_range_ends_first(max_steps, dense, art, longest_stop_steps):
         return dense
     return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, device)
 
 
-def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams) -> bool:
+def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams,
+                           longest_stop_steps: int | None = None) -> bool:
     """Whether a dense program's range (``max_steps / dense_splits`` blocks, rounded up) is no longer
-    than ``ART_STOP_MARGIN`` times the monitored walk's earliest end (:func:`earliest_stop_steps`);
-    ART then takes the dense split count (:func:`choose_num_splits`)."""
-    return _split_steps(max_steps, dense_splits) <= ART_STOP_MARGIN * earliest_stop_steps(art)
+    than the longest walk expected: ``longest_stop_steps``, by default ``ART_STOP_MARGIN`` times the
+    monitored walk's earliest end (:func:`earliest_stop_steps`); ART then takes the dense split count
+    (:func:`choose_num_splits`)."""
+    longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
+    return _split_steps(max_steps, dense_splits) <= longest
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:

@@ -238,6 +238,26 @@ def test_a_walk_that_cannot_stop_runs_without_the_monitor(monkeypatch, splits):
     assert launched == [False, True]
 
 
+def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch):
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    q = torch.zeros(32, 9, 64, dtype=torch.float16)                                 # SmolLM2's heads, 128 steps
+    k = v = torch.zeros(32, 3, 8192, 64, dtype=torch.float16)
+    config = ARTConfig(tau=0.0, phi=0.0).kernel_params()                           # never stops: short to run
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None                                    # the split count is the point
+
+    monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", Recorder())
+    art_decode(q, k, v, art=config)                                  # dense range 43 > 2 earliest ends (34)
+    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 43 <= 128: the dense count, 3
+    art_decode(q, k, v, art=config, longest_stop_steps=42)           # 43 > 42: one split
+    art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count wins
+    assert [grid[0] for grid in grids] == [1, 3, 1, 2]
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
     from kernels.art_params import ARTParams

@@ -36,6 +36,14 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(8, 8, 136, None, art=monitor, block_size=64) == 4     # 34 steps: not longer
     assert choose_num_splits(8, 8, 137, None, art=monitor, block_size=64) == 1     # 35 steps
     assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 88   # 24 steps (SmolLM2 B = 1, 128k)
+    # told the longest walk, the rule compares the dense range with it instead of 2 earliest ends (34 steps)
+    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64) == 1    # SmolLM2 B = 32, 8k: 43 > 34
+    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64, longest_stop_steps=128) == 3
+    assert choose_num_splits(32, 3, 512, None, art=monitor, block_size=64, longest_stop_steps=242) == 3  # 171
+    assert choose_num_splits(32, 3, 2048, None, art=monitor, block_size=64, longest_stop_steps=241) == 1  # 683
+    assert choose_num_splits(8, 8, 512, None, art=monitor, block_size=64, longest_stop_steps=44) == 1   # 128 > 44
+    assert choose_num_splits(8, 8, 136, None, art=monitor, block_size=64, longest_stop_steps=33) == 1   # 34 > 33
+    assert choose_num_splits(8, 8, 512, None, art=None, block_size=64, longest_stop_steps=600) == 4     # dense: unused
 
 
 def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop():
@@ -75,9 +83,12 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["art_rows_missing_time_bound_below_latency_floor"] == 0
     rows[5]["time_bound_below_latency_floor"] = True                  # the row that misses its bound
     rows[10]["time_bound_below_latency_floor"] = True                 # meets it: not counted
+    rows.append(row("art_calibrated", 0.1, meets_time_bound=True, longest_stop_steps=40))
     summary = summarise(rows, 4.2, {"synthetic": {"step_us": 1.3, "fixed_us": 4.0}})
     assert summary["art_rows_missing_time_bound_below_latency_floor"] == 1
     assert summary["lone_walk_step_us_synthetic"] == 1.3
+    assert summary["art_calibrated_rows_meeting_time_bound"] == 1 and summary["art_calibrated_rows"] == 1
+    assert summary["art_rows"] == 2                                   # the calibrated rows are counted apart
 
 
 def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
@@ -129,13 +140,22 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["flash_sdpa"] == {**{key: by_impl["art"][key] for key in
                                         ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
                                      "impl": "flash_sdpa", "error": "no kernel for this shape"}
-    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art"]
-    # round 1 times each call once in turn (1..5), rounds 2 and 3 repeat the same order (6..10, 11..15)
+    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art", "art_calibrated"]
+    # round 1 times each call once in turn (1..6), rounds 2 and 3 repeat the same order (7..12, 13..18)
     for i, impl in enumerate(timed):
-        assert by_impl[impl]["ms_rounds"] == [1.0 + i, 6.0 + i, 11.0 + i]
-        assert by_impl[impl]["ms"] == 6.0 + i and by_impl[impl]["eager_ms"] == 0.5
-    assert len(order) == 15
-    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 7.0 + 0.010
+        assert by_impl[impl]["ms_rounds"] == [1.0 + i, 7.0 + i, 13.0 + i]
+        assert by_impl[impl]["ms"] == 7.0 + i and by_impl[impl]["eager_ms"] == 0.5
+    assert len(order) == 18
+    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 8.0 + 0.010
+    # the calibrated row: the longest walk of a single-split call, passed to the split rule
+    _, single = bench.art_decode(q, k, v, art=ARTParams(), num_splits=1, return_stats=True)
+    calibrated = by_impl["art_calibrated"]
+    assert calibrated["longest_stop_steps"] == int(single[..., 0].max())
+    _, hinted = bench.art_decode(q, k, v, art=ARTParams(), longest_stop_steps=calibrated["longest_stop_steps"],
+                                 return_stats=True)
+    assert calibrated["num_splits"] == hinted.shape[-1]
+    assert calibrated["loaded_fraction"] == bench._loaded_fraction(hinted, 256)
+    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 8.0 + 0.010
     # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
     assert by_impl["art"]["leader_steps_max"] == int(steps[..., 0].max()) > 0
@@ -144,7 +164,7 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art"]["time_bound_below_latency_floor"] == (
         by_impl["art"]["time_bound_ms"] < by_impl["art"]["latency_floor_ms"])
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
-    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 6.0 / 7.0
+    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 7.0 / 8.0
 
 
 def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid_one_warp_at_d64(monkeypatch):
