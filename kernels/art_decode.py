@@ -46,7 +46,7 @@ synthetic 32/8, B = 8, S = 128k       0.067, 1.6 %                 0.087, 3.7 % 
 synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % (16 splits)
 ====================================  ===========================  ============================
 
-A lone walk is latency-bound (about 1.3 us per block), so a monitored walk that must run to
+A lone walk is latency-bound (1.50 us per block at D = 128, 1.00 at D = 64; V16), so a monitored walk that must run to
 step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
