@@ -50,21 +50,21 @@ A lone walk is latency-bound (1.50 us per block at D = 128, 1.00 at D = 64; V16)
 step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
-(:func:`choose_num_splits`): when a dense program's range would be no longer than the longest walk
-expected, ART takes the dense split count, the leader scheme over it: about the dense time plus the
-monitor, and few or no blocks saved, since the leader's range is too short to stop in (SmolLM2 B = 1,
-128k, a dense range of 24 steps: 0.049 ms at the dense count, 0.064 with the leader scheme over one
-wave of 44 splits; V14).  A call cannot end before its longest walk, and a lone walk is slower per
-block than the split-K dense walk, so a walk longer than the dense range makes one split the slower
-choice.  Only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the
+(:func:`choose_num_splits`): when the split-K dense walk would end before the longest monitored walk
+(:func:`dense_walk_ends_first`), ART takes the dense split count, the leader scheme over it: about the
+dense time plus the monitor, and few or no blocks saved, since the leader's range is too short to stop
+in (SmolLM2 B = 1, 128k: 0.049 ms at the dense count, 0.064 with the leader scheme over one wave of 44
+splits; V14), or the dense walk itself where the leader's range cannot reach the earliest stop (below).
+A call cannot end before its longest walk, so a walk longer than the dense walk makes one split the
+slower choice.  Only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the
 longest walk of an earlier call on the same layer); by default it is taken as ``ART_STOP_MARGIN`` (2)
 earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at
 8k-128k) but not the SmolLM2 layer, whose longest walks run to 128-242 steps: at B = 32, 8k and 32k
 one split takes 0.137 / 0.250 ms where the dense count takes 0.068 / 0.206 (V16).  Otherwise one split from
 ``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving), else the
 leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.  When even the
-leader's range is shorter than the earliest stop (:func:`leader_can_stop`: B = 1 up to 32k, the SmolLM2
-layer at B = 1 up to 32k), no walk can stop and the call runs the dense walk of its split count, without
+leader's range is shorter than the earliest stop (:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2
+layer at B = 1), no walk can stop and the call runs the dense walk of its split count, without
 the monitor, with the same result bit for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms,
 against 0.073 with one split at 32k; SmolLM2 B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022).
 
@@ -93,10 +93,12 @@ into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors
 11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
 (96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128),
 measured best or tied at every point of the benchmark's split sweep.  Blocks of at most
-``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (2)
-programs per multiprocessor instead: two programs' three-stage K/V buffers fit in shared memory,
-and a co-resident program hides the leader's monitor latency (never-stopping ART over dense at
-B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two; dense itself 5 % faster).
+``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (4)
+programs per multiprocessor instead, rounded up only where the multiprocessors themselves would
+idle: co-resident programs hide each other's step latency, the monitor's above all (never-stopping
+ART over dense at B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two, V7; at
+B = 8 and the SmolLM2 layer at B = 32, 0.0-2.4 % at four against 1.0-5.8 % at two, with the dense
+walk as fast or 2-4 % faster, V16).
 
 **Uniform lengths** (``benchmarks/NOTES-art-decode.md``, V11).  When every sequence has the same
 length (no ``cache_seqlens``, or equal ones: the launcher already reads their min and max), the
@@ -157,7 +159,8 @@ ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 MAX_GROUP = 128
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
-SMALL_BLOCK_PROGRAMS_PER_SM = 2   # blocks of at most TMA_MAX_BLOCK tokens: two programs' buffers fit
+SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
+DENSE_WALKS_OVERLAPPED = 2        # the split rule's dense walk time: its blocks per multiprocessor over this many
 TMA_MAX_BLOCK = 64
 LEADER_TMA_MIN_STEPS = 32
 RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
@@ -303,32 +306,35 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     Dense (``art=None``): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
     (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
     unless that leaves more than a quarter of the multiprocessors idle; at least
-    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when a dense program's range is
-    no longer than the longest walk expected (``longest_stop_steps``, default ``ART_STOP_MARGIN``
-    times the monitored walk's earliest end; :func:`dense_range_ends_first`), since a call cannot
-    end before its longest walk, which would then take longer than the split-K dense walk; else one
-    split once there are ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)`` pairs, else :func:`leader_splits`.
+    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when the dense walk would end
+    before the longest monitored walk (:func:`dense_walk_ends_first`), since a call cannot end before
+    its longest walk; else one split once there are ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)``
+    pairs, else :func:`leader_splits`.
     """
     programs = batch * kv_heads
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
-    slots = per_sm * _num_sms(device)
-    wanted = slots // programs
-    if wanted * programs < WAVE_FILL * slots:
+    wanted = per_sm * _num_sms(device) // programs
+    if wanted * programs < WAVE_FILL * _num_sms(device):
         wanted += 1
     dense = max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-    if art is None or dense_range_ends_first(max_steps, dense, art, longest_stop_steps):
+    if art is None or dense_walk_ends_first(batch, kv_heads, max_steps, device, art, longest_stop_steps):
         return dense
     return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, device)
 
 
-def dense_range_ends_first(max_steps: int, dense_splits: int, art: ARTParams,
-                           longest_stop_steps: int | None = None) -> bool:
-    """Whether a dense program's range (``max_steps / dense_splits`` blocks, rounded up) is no longer
-    than the longest walk expected: ``longest_stop_steps``, by default ``ART_STOP_MARGIN`` times the
-    monitored walk's earliest end (:func:`earliest_stop_steps`); ART then takes the dense split count
-    (:func:`choose_num_splits`)."""
+def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
+                          longest_stop_steps: int | None = None) -> bool:
+    """Whether the split-K dense walk would end before the longest monitored walk, both counted in the
+    blocks of a lone walk: the dense walk's time is taken as the blocks each multiprocessor reads
+    (``batch * kv_heads * max_steps / SMs``, rounded up) over ``DENSE_WALKS_OVERLAPPED`` (2).  On the
+    H200 a multiprocessor's split-K dense walk reads two blocks in 1.1 us at D = 64, the time of one
+    lone block (1.00 us), and in 2.1-2.3 us at D = 128, 1.4-1.5 lone blocks (1.50 us; V16), so the
+    estimate is exact at D = 64 and favours one split at D = 128.  The longest walk is
+    ``longest_stop_steps``, by default ``ART_STOP_MARGIN`` times the monitored walk's earliest end
+    (:func:`earliest_stop_steps`).  ART then takes the dense split count (:func:`choose_num_splits`)."""
     longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
-    return _split_steps(max_steps, dense_splits) <= longest
+    dense_blocks = -(-batch * kv_heads * max_steps // (DENSE_WALKS_OVERLAPPED * _num_sms(device)))
+    return dense_blocks <= longest
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:

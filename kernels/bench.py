@@ -11,7 +11,7 @@ with a cold L2: do_bench flushes it):
   the monitor's overhead, summarised over the rows where the monitor runs: ``monitor_runs`` is false
   where the leader's range is shorter than the earliest stop and the call is the dense walk,
   ``kernels.art_decode.leader_can_stop``), and with the given ART thresholds at the default split count
-  (``dense_split_count``: whether ART took the dense one, ``kernels.art_decode.dense_range_ends_first``),
+  (``dense_split_count``: whether ART took the dense one, ``kernels.art_decode.dense_walk_ends_first``),
   and again with the split rule told the longest walk (``art_calibrated``: ``longest_stop_steps`` from
   the stats of one earlier single-split call on the same inputs, as a decode loop would take them from its
   previous step);
@@ -64,7 +64,7 @@ import triton.testing
 from tqdm.auto import tqdm
 
 from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, choose_num_splits,
-                         dense_range_ends_first, leader_can_stop, leader_splits)
+                         dense_walk_ends_first, leader_can_stop, leader_splits)
 from .art_params import ARTParams
 from .results_io import write_json_atomic
 
@@ -220,7 +220,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     for impl, hint in (("art", None), ("art_calibrated", longest)):
         _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
         extras[impl] = dict(num_splits=steps.shape[-1], loaded_fraction=_loaded_fraction(steps, seqlen),
-                            dense_split_count=dense_range_ends_first(blocks, splits, art, hint),
+                            dense_split_count=dense_walk_ends_first(batch, kv_heads, blocks, q.device, art, hint),
                             monitor_runs=leader_can_stop(blocks, steps.shape[-1], art),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))

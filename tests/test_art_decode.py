@@ -251,11 +251,11 @@ def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch):
             return lambda *args, **kwargs: None                                    # the split count is the point
 
     monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", Recorder())
-    art_decode(q, k, v, art=config)                                  # dense range 43 > 2 earliest ends (34)
-    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 43 <= 128: the dense count, 3
-    art_decode(q, k, v, art=config, longest_stop_steps=42)           # 43 > 42: one split
+    art_decode(q, k, v, art=config)                                  # dense walk 47 blocks > 2 earliest ends (34)
+    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 47 <= 128: the dense count, 5
+    art_decode(q, k, v, art=config, longest_stop_steps=46)           # 47 > 46: one split
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count wins
-    assert [grid[0] for grid in grids] == [1, 3, 1, 2]
+    assert [grid[0] for grid in grids] == [1, 5, 1, 2]
 
 
 @pytest.mark.parametrize("splits", [2, 3])

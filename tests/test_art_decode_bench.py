@@ -24,26 +24,27 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert earliest_stop_steps(monitor) == 17
     assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
     assert choose_num_splits(1, 8, 2048, None, art=monitor) == 1     # 8 pairs: one split
-    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense: 47 steps; leader scheme,
-    assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # one program per multiprocessor
-    # blocks of at most 64 tokens: two programs per multiprocessor
-    assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 33
-    assert choose_num_splits(8, 8, 2048, None, art=None, block_size=64) == 4
-    assert choose_num_splits(128, 3, 512, None, art=None, block_size=64) == 1
-    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1   # dense would walk 62 > 2 x 17 steps
-    # a dense program's range no longer than ART_STOP_MARGIN (2) earliest ends: the dense count
-    assert choose_num_splits(1, 8, 512, None, art=monitor, block_size=64) == 33    # dense walks 16 steps
-    assert choose_num_splits(8, 8, 136, None, art=monitor, block_size=64) == 4     # 34 steps: not longer
-    assert choose_num_splits(8, 8, 137, None, art=monitor, block_size=64) == 1     # 35 steps
-    assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 88   # 24 steps (SmolLM2 B = 1, 128k)
-    # told the longest walk, the rule compares the dense range with it instead of 2 earliest ends (34 steps)
-    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64) == 1    # SmolLM2 B = 32, 8k: 43 > 34
-    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64, longest_stop_steps=128) == 3
-    assert choose_num_splits(32, 3, 512, None, art=monitor, block_size=64, longest_stop_steps=242) == 3  # 171
-    assert choose_num_splits(32, 3, 2048, None, art=monitor, block_size=64, longest_stop_steps=241) == 1  # 683
-    assert choose_num_splits(8, 8, 512, None, art=monitor, block_size=64, longest_stop_steps=44) == 1   # 128 > 44
-    assert choose_num_splits(8, 8, 136, None, art=monitor, block_size=64, longest_stop_steps=33) == 1   # 34 > 33
-    assert choose_num_splits(8, 8, 512, None, art=None, block_size=64, longest_stop_steps=600) == 4     # dense: unused
+    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense: 47 blocks per SM pair;
+    assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # leader scheme, one program per SM
+    # blocks of at most 64 tokens: four programs per multiprocessor, one more split only where SMs would idle
+    assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 66
+    assert choose_num_splits(8, 8, 2048, None, art=None, block_size=64) == 8
+    assert choose_num_splits(32, 3, 512, None, art=None, block_size=64) == 5
+    assert choose_num_splits(128, 3, 512, None, art=None, block_size=64) == 1     # 384 programs keep every SM busy
+    # ART: the dense count when the dense walk (blocks per SM over 2) ends within 2 earliest ends (34 blocks)
+    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1    # 8 x 2048 / 264 -> 63 > 34
+    assert choose_num_splits(1, 8, 512, None, art=monitor, block_size=64) == 66    # 16
+    assert choose_num_splits(8, 8, 140, None, art=monitor, block_size=64) == 8     # 34: not longer
+    assert choose_num_splits(8, 8, 141, None, art=monitor, block_size=64) == 1     # 35
+    assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 128  # 24 (SmolLM2 B = 1, 128k)
+    # told the longest walk, the rule compares the dense walk with it instead of 2 earliest ends
+    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64) == 1    # SmolLM2 B = 32, 8k: 47 > 34
+    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64, longest_stop_steps=128) == 5
+    assert choose_num_splits(32, 3, 512, None, art=monitor, block_size=64, longest_stop_steps=242) == 5  # 187
+    assert choose_num_splits(32, 3, 2048, None, art=monitor, block_size=64, longest_stop_steps=241) == 1  # 745
+    assert choose_num_splits(8, 8, 512, None, art=monitor, block_size=64, longest_stop_steps=44) == 1   # 125 > 44
+    assert choose_num_splits(8, 8, 140, None, art=monitor, block_size=64, longest_stop_steps=33) == 1   # 34 > 33
+    assert choose_num_splits(8, 8, 512, None, art=None, block_size=64, longest_stop_steps=600) == 8     # dense: unused
 
 
 def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop():
