@@ -98,7 +98,7 @@ programs per multiprocessor instead, rounded up only where the multiprocessors t
 idle: co-resident programs hide each other's step latency, the monitor's above all (never-stopping
 ART over dense at B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two, V7; at
 B = 8 and the SmolLM2 layer at B = 32, 0.0-2.4 % at four against 1.0-5.8 % at two, with the dense
-walk as fast or 2-4 % faster, V16).
+walk as fast or 2-4 % faster, V17).
 
 **Uniform lengths** (``benchmarks/NOTES-art-decode.md``, V11).  When every sequence has the same
 length (no ``cache_seqlens``, or equal ones: the launcher already reads their min and max), the
@@ -198,9 +198,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         longest_stop_steps: with ``art`` and the default split count, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
             ``return_stats``, or the simulator's stop steps on a captured layer (+ 1).  ART takes the dense
-            split count when a dense program's range is no longer than it (:func:`choose_num_splits`);
-            default ``ART_STOP_MARGIN`` times the earliest stop.  Unused when ``num_splits`` is given or
-            ``art`` is ``None``.
+            split count when the dense walk would end within that many lone-walk blocks
+            (:func:`dense_walk_ends_first`); default ``ART_STOP_MARGIN`` times the earliest stop.  Unused
+            when ``num_splits`` is given or ``art`` is ``None``.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
