@@ -170,7 +170,7 @@ WAVE_FILL = 0.75
 ART_SINGLE_SPLIT_PROGRAMS = 8
 ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
-ART_STOP_MARGIN = 2        # ART takes the dense split count unless a dense range exceeds this many earliest stops
+ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -312,9 +312,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     pairs, else :func:`leader_splits`.
     """
     programs = batch * kv_heads
+    sms = _num_sms(device)
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
-    wanted = per_sm * _num_sms(device) // programs
-    if wanted * programs < WAVE_FILL * _num_sms(device):
+    wanted = per_sm * sms // programs
+    if wanted * programs < WAVE_FILL * sms:
         wanted += 1
     dense = max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
     if art is None or dense_walk_ends_first(batch, kv_heads, max_steps, device, art, longest_stop_steps):
@@ -358,7 +359,8 @@ def earliest_stop_steps(art: ARTParams) -> int:
 
 def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """ART splits for the leader scheme: one program per multiprocessor (rounded down).  Under
-    :func:`choose_num_splits` the leader's range is then at least twice the walk's earliest end."""
+    :func:`choose_num_splits` the leader's range is then about twice the longest walk expected or more
+    (the dense walk's time of :func:`dense_walk_ends_first` counts two overlapped walks per multiprocessor)."""
     return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
 
 

@@ -24,7 +24,7 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert earliest_stop_steps(monitor) == 17
     assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
     assert choose_num_splits(1, 8, 2048, None, art=monitor) == 1     # 8 pairs: one split
-    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense: 47 blocks per SM pair;
+    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense walk 47 blocks > 34:
     assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # leader scheme, one program per SM
     # blocks of at most 64 tokens: four programs per multiprocessor, one more split only where SMs would idle
     assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 66
