@@ -158,6 +158,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 MAX_GROUP = 128
+MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
 DENSE_WALKS_OVERLAPPED = 2        # the split rule's dense walk time: its blocks per multiprocessor over this many
@@ -275,6 +276,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                       leader_steps=_split_steps(max_steps, num_splits) if art is not None and num_splits > 1 else None)
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads)
     block_g = triton.next_power_of_2(group)
+    block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
     if loads == "host_descriptors":
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
@@ -286,7 +288,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         kv_heads, num_splits, k_cache.shape[1] if paged else 1, max_len,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_size, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
         PAGED=paged, SINK_RECENCY=order == "sink_recency", SINGLE_SPLIT=single,
         ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
         PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
@@ -294,7 +296,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
-        RAGGED=seqlens is not None, LOADS=loads, num_warps=num_warps, num_stages=num_stages)
+        RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows, num_warps=num_warps, num_stages=num_stages)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
@@ -362,6 +364,14 @@ def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     :func:`choose_num_splits` the leader's range is then about twice the longest walk expected or more
     (the dense walk's time of :func:`dense_walk_ends_first` counts two overlapped walks per multiprocessor)."""
     return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
+
+
+def tile_rows(group: int) -> tuple[int, int]:
+    """``(BLOCK_H, PROBE_ROWS)`` for ``group`` query heads per KV head: the rows of the kernel's ``tl.dot``
+    tile (a power of two, at least the 16 rows of an MMA), and the leading rows the ART monitor reads,
+    half of them when the group fits there (the others are padding), else all."""
+    block_h = max(MMA_ROWS, triton.next_power_of_2(group))
+    return block_h, block_h // 2 if group <= block_h // 2 else block_h
 
 
 def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One program serves one ``(b, kv_head, split)``: the query heads of the KV head are packed
 into the ``BLOCK_H`` rows of one ``tl.dot`` tile, so every K/V block is loaded once for the
-whole GQA group.  A split walks a contiguous range of the traversal *steps* (positions in
+whole GQA group.  The monitor reads the tile's leading ``PROBE_ROWS`` rows: half of them when the
+group fits there, since the rest are padding (``kernels.art_decode.tile_rows``).  A split walks a contiguous range of the traversal *steps* (positions in
 the order, not token ranges), so split 0 holds the head of the order: the sink and the
 newest blocks under ``sink_recency``.
 
@@ -54,13 +55,14 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
     """Token validity ``[BLOCK_N]``, int64 row offsets of K and V and the first token (int32) of
-    traversal step ``step``."""
+    traversal step ``step``.  Validity compares the int32 token index within the block with the
+    block's remaining length (one 32-bit compare per token; ``benchmarks/NOTES-art-decode.md``, V18)."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
         block = step
     pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = pos < seqlen
+    valid = tl.arange(0, BLOCK_N) < tl.minimum(seqlen - block.to(tl.int64) * BLOCK_N, BLOCK_N).to(tl.int32)
     if PAGED:
         page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // page_size, mask=valid, other=0)
         page = page.to(tl.int64)
@@ -173,6 +175,23 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
 
 
 @triton.jit
+def _leading_rows(x, ROWS: tl.constexpr):
+    """The first ``ROWS`` rows ``[ROWS, D]`` of ``x [BLOCK_H, D]``, ``ROWS`` being ``BLOCK_H`` or half of it
+    (in the MMA layout the two halves are separate registers, so the half is taken without a data move)."""
+    if ROWS == x.shape[0]:
+        return x
+    return tl.split(tl.permute(tl.reshape(x, (2, ROWS, x.shape[1])), (1, 2, 0)))[0]
+
+
+@triton.jit
+def _leading_heads(x, ROWS: tl.constexpr):
+    """The first ``ROWS`` entries ``[ROWS]`` of a per-row vector ``x [BLOCK_H]`` (see :func:`_leading_rows`)."""
+    if ROWS == x.shape[0]:
+        return x
+    return tl.split(tl.permute(tl.reshape(x, (2, ROWS)), (1, 0)))[0]
+
+
+@triton.jit
 def _read_flag(ptr):
     """The converged flag at ``ptr``, the same value in every warp of the program.
 
@@ -197,7 +216,7 @@ def art_decode_split_kernel(
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-        RAGGED: tl.constexpr, LOADS: tl.constexpr):
+        RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr):
     """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
@@ -205,7 +224,10 @@ def art_decode_split_kernel(
     (contiguous layout only for descriptors): ``"pointers"`` (``k_ptr``, ``v_ptr`` base pointers,
     masked), ``"kernel_descriptors"`` (per-sequence ``[seqlen, D]`` descriptors made here) or
     ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
-    launcher, uniform lengths only).  Descriptor rows past the length read as zeros."""
+    launcher, uniform lengths only).  Descriptor rows past the length read as zeros.  ``PROBE_ROWS``: the
+    leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
+    heads fit in them (the rest is padding; the monitored step then takes 591 instead of 664 instructions
+    at ``D = 128``), else ``BLOCK_H``."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -244,13 +266,15 @@ def art_decode_split_kernel(
             probe_dim = (dims % 8) <= 1
         else:
             probe_dim = dims >= 0
-        probe_mask = probe_dim[None, :] & (rows[:, None] >= 0)
+        probe_rows = tl.arange(0, PROBE_ROWS)
+        probe_valid = probe_rows < GROUP
+        probe_mask = probe_dim[None, :] & (probe_rows[:, None] >= 0)
         is_leader = split == 0
         # a follower's heads are never done: no stable run reaches this length
         patience = tl.where(is_leader, patience, 2147483647)
-        norm = tl.zeros([BLOCK_H], tl.float32)
-        count = tl.zeros([BLOCK_H], tl.int32)
-        done = tl.zeros([BLOCK_H], tl.int32)
+        norm = tl.zeros([PROBE_ROWS], tl.float32)
+        count = tl.zeros([PROBE_ROWS], tl.int32)
+        done = tl.zeros([PROBE_ROWS], tl.int32)
         group_done = start * 0
         step = start
         if SINGLE_SPLIT:
@@ -265,7 +289,7 @@ def art_decode_split_kernel(
             # poll the flag every ART_CHUNK steps.  int32: `count` stays below HORIZON_CAP while the walk runs.
             need = tl.where(done != 0, 0, tl.minimum(patience, HORIZON_CAP) - count
                             + tl.minimum(tl.maximum(first_counted - step, 0), HORIZON_CAP).to(tl.int32))
-            horizon = tl.where(is_leader, tl.max(tl.where(row_valid, need, 0), 0), ART_CHUNK)
+            horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0), ART_CHUNK)
             chunk_end = tl.minimum(step + horizon, end)
             # With several splits every program runs the monitored step (a follower's heads are never done
             # and its monitor is discarded), so that in a walk that does not stop all programs take the same
@@ -280,12 +304,13 @@ def art_decode_split_kernel(
                                               stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
                     m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
                     norm, count, done = _probe_update(
-                        acc, l, acc_new, l_new, norm, count, done, t, first_counted, tau, phi, patience,
+                        _leading_rows(acc, PROBE_ROWS), _leading_heads(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
+                        _leading_heads(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
                     m, l, acc = m_new, l_new, acc_new
                 # (derived from the done bits here, not from the next horizon being 0: that placement compiled
                 # the 64-dim multi-split step with serialised MMAs; benchmarks/NOTES-art-decode.md, V14)
-                group_done = tl.min(tl.where(row_valid, done, 1), 0).to(group_done.dtype)
+                group_done = tl.min(tl.where(probe_valid, done, 1), 0).to(group_done.dtype)
             else:
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                         table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,

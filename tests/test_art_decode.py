@@ -156,9 +156,17 @@ def test_dense_output_within_flash_oracle(dtype, dim, q_heads, kv_heads, order, 
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores * dim ** -0.5, -1), rtol=0, atol=1e-4)
 
 
+def test_monitor_reads_the_tiles_leading_half_only_when_the_group_fits_there():
+    groups = (1, 4, 8, 9, 12, 16, 17, 32, 33)
+    assert [art_decode_module.tile_rows(g) for g in groups] == [
+        (16, 8), (16, 8), (16, 8), (16, 16), (16, 16), (16, 16), (32, 32), (32, 32), (64, 64)]
+
+
 def test_stop_steps_match_simulator_on_synthetic_caches():
     cases = []
-    for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 8, 2), ("peaked", 6, 2), ("diffuse", 5, 1))):
+    # groups of 4, 3 and 5 heads (the monitor reads half the 16-row tile), 8 (that half full) and 12 (the whole tile)
+    for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 8, 2), ("peaked", 6, 2), ("diffuse", 5, 1),
+                                                        ("realistic", 16, 2), ("peaked", 12, 1))):
         q, k, v = synthetic_inputs(3, q_heads, kv_heads, 1000, 64, torch.float16, CPU, seed=seed, preset=preset)
         cases.append((q, k, v, None))
     assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS), "synthetic")
