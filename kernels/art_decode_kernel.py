@@ -55,14 +55,13 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
     """Token validity ``[BLOCK_N]``, int64 row offsets of K and V and the first token (int32) of
-    traversal step ``step``.  Validity compares the int32 token index within the block with the
-    block's remaining length (one 32-bit compare per token; ``benchmarks/NOTES-art-decode.md``, V18)."""
+    traversal step ``step``."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
         block = step
     pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = tl.arange(0, BLOCK_N) < tl.minimum(seqlen - block.to(tl.int64) * BLOCK_N, BLOCK_N).to(tl.int32)
+    valid = pos < seqlen
     if PAGED:
         page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // page_size, mask=valid, other=0)
         page = page.to(tl.int64)
@@ -226,7 +225,7 @@ def art_decode_split_kernel(
     ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
     launcher, uniform lengths only).  Descriptor rows past the length read as zeros.  ``PROBE_ROWS``: the
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
-    heads fit in them (the rest is padding; the monitored step then takes 591 instead of 664 instructions
+    heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
