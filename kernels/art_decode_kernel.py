@@ -2,10 +2,10 @@
 
 One program serves one ``(b, kv_head, split)``: the query heads of the KV head are packed
 into the ``BLOCK_H`` rows of one ``tl.dot`` tile, so every K/V block is loaded once for the
-whole GQA group.  The monitor reads the tile's leading ``PROBE_ROWS`` rows: half of them when the
-group fits there, since the rest are padding (``kernels.art_decode.tile_rows``).  A split walks a contiguous range of the traversal *steps* (positions in
-the order, not token ranges), so split 0 holds the head of the order: the sink and the
-newest blocks under ``sink_recency``.
+whole GQA group.  The monitor reads the tile's leading ``PROBE_ROWS`` rows: half of them when
+the group fits there, since the rest are padding (``kernels.art_decode.tile_rows``).  A split
+walks a contiguous range of the traversal *steps* (positions in the order, not token ranges),
+so split 0 holds the head of the order: the sink and the newest blocks under ``sink_recency``.
 
 Per step ``t`` the block ``j(t)`` (``t`` for ``sequential``; ``0`` then ``nb - t`` for
 ``sink_recency``) is attended with the FlashAttention-2 online recurrence, written exactly
