@@ -46,8 +46,8 @@ synthetic 32/8, B = 8, S = 128k       0.067, 1.6 %                 0.087, 3.7 % 
 synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % (16 splits)
 ====================================  ===========================  ============================
 
-A lone walk is latency-bound (1.50 us per block at D = 128, 1.00 at D = 64; V16), so a monitored walk that must run to
-step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
+A lone walk is latency-bound (1.27 us per block at D = 128, 0.97 at D = 64; V18), so a monitored walk that
+must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
 (:func:`choose_num_splits`): when the split-K dense walk would end before the longest monitored walk
@@ -330,9 +330,9 @@ def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: tor
     """Whether the split-K dense walk would end before the longest monitored walk, both counted in the
     blocks of a lone walk: the dense walk's time is taken as the blocks each multiprocessor reads
     (``batch * kv_heads * max_steps / SMs``, rounded up) over ``DENSE_WALKS_OVERLAPPED`` (2).  On the
-    H200 a multiprocessor's split-K dense walk reads two blocks in 1.1 us at D = 64, the time of one
-    lone block (1.00 us), and in 2.1-2.3 us at D = 128, 1.4-1.5 lone blocks (1.50 us; V16), so the
-    estimate is exact at D = 64 and favours one split at D = 128.  The longest walk is
+    H200 a multiprocessor's split-K dense walk reads two blocks in 1.1 us at D = 64, about one lone
+    block (0.97 us), and in 2.1-2.3 us at D = 128, 1.7-1.8 lone blocks (1.27 us; V16, V18), so the
+    estimate is close at D = 64 and favours one split at D = 128.  The longest walk is
     ``longest_stop_steps``, by default ``ART_STOP_MARGIN`` times the monitored walk's earliest end
     (:func:`earliest_stop_steps`).  ART then takes the dense split count (:func:`choose_num_splits`)."""
     longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
