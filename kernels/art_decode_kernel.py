@@ -178,16 +178,20 @@ def _leading_rows(x, ROWS: tl.constexpr):
     """The first ``ROWS`` rows ``[ROWS, D]`` of ``x [BLOCK_H, D]``, ``ROWS`` being ``BLOCK_H`` or half of it
     (in the MMA layout the two halves are separate registers, so the half is taken without a data move)."""
     if ROWS == x.shape[0]:
-        return x
-    return tl.split(tl.permute(tl.reshape(x, (2, ROWS, x.shape[1])), (1, 2, 0)))[0]
+        rows = x
+    else:   # (an early return would not stop the frontend from building the reshape below)
+        rows = tl.split(tl.permute(tl.reshape(x, (2, ROWS, x.shape[1])), (1, 2, 0)))[0]
+    return rows
 
 
 @triton.jit
 def _leading_heads(x, ROWS: tl.constexpr):
     """The first ``ROWS`` entries ``[ROWS]`` of a per-row vector ``x [BLOCK_H]`` (see :func:`_leading_rows`)."""
     if ROWS == x.shape[0]:
-        return x
-    return tl.split(tl.permute(tl.reshape(x, (2, ROWS)), (1, 0)))[0]
+        heads = x
+    else:
+        heads = tl.split(tl.permute(tl.reshape(x, (2, ROWS)), (1, 0)))[0]
+    return heads
 
 
 @triton.jit
