@@ -66,7 +66,8 @@ class _Recorder:
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
-# lengths (descriptors made in the kernel or on the host), the paged layout (pointer loads) and the dense walk.
+# lengths (descriptors made in the kernel or on the host), the paged layout (pointer loads), the dense walk, fp32
+# and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
     ("group 12, one split, uniform", 24, 2, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -75,6 +76,9 @@ CASES = [
      dict(num_splits=4, ragged=True, order="sequential")),
     ("group 16, paged", 32, 2, 64, torch.float16, True, dict(num_splits=2, paged=True)),
     ("dense, block 128", 32, 8, 128, torch.bfloat16, False, dict(num_splits=5)),
+    ("group 1, fp32, block 32", 4, 4, 64, torch.float32, True, dict(num_splits=1, block_size=32)),
+    ("group 8, paged, block 16, D 128", 16, 2, 128, torch.bfloat16, True, dict(num_splits=1, paged=True, block_size=16)),
+    ("group 5, dense, block 64, ragged", 10, 2, 64, torch.float16, False, dict(num_splits=3, ragged=True, block_size=64)),
 ]
 
 
