@@ -46,8 +46,8 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch")
-        ax.set_ylabel("KV TB/s (whole-cache bytes / time)")
         ax.set_title(f"S = {seqlen // 1024}k")
+    axes[0].set_ylabel("KV TB/s (whole-cache bytes / time)")   # one label: the panels share its meaning
     handles = {}
     for ax in axes[:-1]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
