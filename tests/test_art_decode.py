@@ -466,7 +466,7 @@ def test_gpu_dense_output_within_flash_oracle(batch, seqlen, q_heads, kv_heads, 
 @pytest.mark.gpu
 def test_gpu_stop_steps_match_simulator():
     cases = []
-    # groups of 4 and 5 (the tokens-major one-warp tile) and 12 (the heads-major tile, every row monitored)
+    # groups of 4 and 5 (the monitor reads half the 16-row tile) and 12 (every row of it)
     for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 32, 8), ("peaked", 40, 8), ("diffuse", 32, 8),
                                                         ("realistic", 48, 4))):
         q, k, v = synthetic_inputs(8, q_heads, kv_heads, 4096, 128, torch.bfloat16, _cuda(), seed=seed, preset=preset)
