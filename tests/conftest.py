@@ -5,6 +5,7 @@ before triton is first imported, so it is set here, at collection time.
 """
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -31,3 +32,33 @@ def loaded():
     from art_analysis.models import load_model
 
     return load_model("smollm2")
+
+
+class KernelLaunches:
+    """Stands in for a Triton kernel: records each launch as ``grid``, positional ``args`` and ``kwargs``
+    (constexprs and launch options) in ``calls`` and, with ``forward``, runs the real ``kernel``."""
+
+    def __init__(self, kernel, forward: bool):
+        self.kernel, self.forward, self.calls = kernel, forward, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(SimpleNamespace(grid=grid, args=args, kwargs=kwargs))
+            if self.forward:
+                return self.kernel[grid](*args, **kwargs)
+            return None
+        return launch
+
+
+@pytest.fixture
+def record_decode_launches(monkeypatch):
+    """``record(forward=False)``: replaces ``kernels.art_decode``'s split kernel by a :class:`KernelLaunches`
+    for the test and returns it."""
+    import kernels.art_decode as art_decode_module
+
+    def record(forward: bool = False) -> KernelLaunches:
+        launches = KernelLaunches(art_decode_module.art_decode_split_kernel, forward)
+        monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", launches)
+        return launches
+
+    return record

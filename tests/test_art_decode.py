@@ -224,46 +224,29 @@ def test_no_block_past_the_leaders_stop_step_enters_its_state(splits, config):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_a_walk_that_cannot_stop_runs_without_the_monitor(monkeypatch, splits):
+def test_a_walk_that_cannot_stop_runs_without_the_monitor(record_decode_launches, splits):
     q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=11)   # 24 steps
     config = ARTConfig(tau=1e9, phi=2.0, patience=30).kernel_params()            # stable at once, but 31 > 24
     dense = art_decode(q, k, v, num_splits=splits, block_size=64, return_lse=True, return_stats=True)
-    launched = []
-    kernel = art_decode_module.art_decode_split_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["ART"])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", Recorder())
+    launches = record_decode_launches(forward=True)
     got = art_decode(q, k, v, art=config, num_splits=splits, return_lse=True, return_stats=True)
-    assert launched == [False]
+    assert [call.kwargs["ART"] for call in launches.calls] == [False]
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
     art_decode(q, k, v, art=dataclasses.replace(config, patience=20), num_splits=1)   # 21 <= 24: it can stop
-    assert launched == [False, True]
+    assert [call.kwargs["ART"] for call in launches.calls] == [False, True]
 
 
-def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch):
+def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch, record_decode_launches):
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     q = torch.zeros(32, 9, 64, dtype=torch.float16)                                 # SmolLM2's heads, 128 steps
     k = v = torch.zeros(32, 3, 8192, 64, dtype=torch.float16)
     config = ARTConfig(tau=0.0, phi=0.0).kernel_params()                           # never stops: short to run
-    grids = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return lambda *args, **kwargs: None                                    # the split count is the point
-
-    monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", Recorder())
+    launches = record_decode_launches()                                # not run: the split count is the point
     art_decode(q, k, v, art=config)                                  # dense walk 47 blocks > 2 earliest ends (34)
     art_decode(q, k, v, art=config, longest_stop_steps=128)          # 47 <= 128: the dense count, 5
     art_decode(q, k, v, art=config, longest_stop_steps=46)           # 47 > 46: one split
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count wins
-    assert [grid[0] for grid in grids] == [1, 5, 1, 2]
+    assert [call.grid[0] for call in launches.calls] == [1, 5, 1, 2]
 
 
 @pytest.mark.parametrize("splits", [2, 3])

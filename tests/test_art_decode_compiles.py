@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.art_decode as art_decode_module
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode
 
@@ -41,27 +40,22 @@ def _argument_type(value) -> str:
     """Triton's signature type of one recorded launch argument."""
     if isinstance(value, torch.Tensor):
         return "*" + TYPE_NAMES[value.dtype]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if type(value).__name__ == "TensorDescriptor":
-            return f"tensordesc<{TYPE_NAMES[value.base.dtype]}{list(value.block_shape)}>".replace(" ", "")
-        raise TypeError(f"unexpected launch argument {value!r}")
-    return "fp32" if isinstance(value, float) else "i32"
+    if type(value).__name__ == "TensorDescriptor":
+        return f"tensordesc<{TYPE_NAMES[value.base.dtype]}{list(value.block_shape)}>".replace(" ", "")
+    if isinstance(value, float):
+        return "fp32"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "i32"
+    raise TypeError(f"unexpected launch argument {value!r}")
 
 
-class _Recorder:
-    """Stands in for the kernel: records each launch's signature, constexprs and options."""
-
-    def __init__(self, arg_names):
-        self.arg_names = arg_names
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, num_warps, num_stages, **constexprs):
-            signature = {name: _argument_type(value) for name, value in zip(self.arg_names, args)}
-            signature.update({name: "constexpr" for name in constexprs})
-            self.launches.append({"signature": signature, "constexprs": constexprs,
-                                  "options": {"num_warps": num_warps, "num_stages": num_stages}})
-        return launch
+def _compile_request(label: str, arg_names, call) -> dict:
+    """What the subprocess compiles for one recorded launch (``conftest.KernelLaunches``' call)."""
+    options = {name: call.kwargs[name] for name in ("num_warps", "num_stages")}
+    constexprs = {name: value for name, value in call.kwargs.items() if name not in options}
+    signature = {name: _argument_type(value) for name, value in zip(arg_names, call.args)}
+    signature.update({name: "constexpr" for name in constexprs})
+    return {"label": label, "signature": signature, "constexprs": constexprs, "options": options}
 
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
@@ -82,9 +76,8 @@ CASES = [
 ]
 
 
-def _record(monkeypatch, q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, **kwargs):
-    recorder = _Recorder(art_decode_module.art_decode_split_kernel.arg_names)
-    monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", recorder)
+def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, **kwargs):
+    """One ``art_decode`` call of a ``CASES`` entry on small CPU tensors."""
     batch, seqlen = 2, 4096
     q = torch.zeros(batch, q_heads, head_dim, dtype=dtype)
     k = torch.zeros(batch, kv_heads, seqlen, head_dim, dtype=dtype)
@@ -96,17 +89,16 @@ def _record(monkeypatch, q_heads, kv_heads, head_dim, dtype, art, *, ragged=Fals
         layout["cache_seqlens"] = torch.tensor([seqlen, 1000], dtype=torch.int32)
     params = ARTConfig().kernel_params() if art else None
     art_decode(q, k, k.clone(), art=params, **layout, **kwargs)
-    assert len(recorder.launches) == 1
-    return recorder.launches[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="needs Triton's CUDA backend (ptxas ships with the triton wheel)")
-def test_every_launch_configuration_compiles_for_sm90(monkeypatch):
-    launches = []
-    for label, q_heads, kv_heads, head_dim, dtype, art, kwargs in CASES:
-        launch = _record(monkeypatch, q_heads, kv_heads, head_dim, dtype, art, **kwargs)
-        launches.append({"label": label, **launch})
+def test_every_launch_configuration_compiles_for_sm90(record_decode_launches):
+    recorded = record_decode_launches()
+    for _, q_heads, kv_heads, head_dim, dtype, art, kwargs in CASES:
+        _launch(q_heads, kv_heads, head_dim, dtype, art, **kwargs)
+    assert len(recorded.calls) == len(CASES)
+    launches = [_compile_request(case[0], recorded.kernel.arg_names, call) for case, call in zip(CASES, recorded.calls)]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], input=json.dumps(launches), cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
