@@ -175,23 +175,17 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
 
 @triton.jit
 def _leading_rows(x, ROWS: tl.constexpr):
-    """The first ``ROWS`` rows ``[ROWS, D]`` of ``x [BLOCK_H, D]``, ``ROWS`` being ``BLOCK_H`` or half of it
-    (in the MMA layout the two halves are separate registers, so the half is taken without a data move)."""
+    """The first ``ROWS`` rows of ``x``: ``[ROWS, D]`` of a tile ``[BLOCK_H, D]`` or ``[ROWS]`` of a per-row vector
+    ``[BLOCK_H]``, ``ROWS`` being ``BLOCK_H`` or half of it (in the MMA layout the two halves are separate
+    registers, so the half is taken without a data move).  One return: an early one would not stop the frontend
+    from building the reshape below it."""
     if ROWS == x.shape[0]:
         rows = x
-    else:   # (an early return would not stop the frontend from building the reshape below)
+    elif len(x.shape) == 1:
+        rows = tl.split(tl.permute(tl.reshape(x, (2, ROWS)), (1, 0)))[0]
+    else:
         rows = tl.split(tl.permute(tl.reshape(x, (2, ROWS, x.shape[1])), (1, 2, 0)))[0]
     return rows
-
-
-@triton.jit
-def _leading_heads(x, ROWS: tl.constexpr):
-    """The first ``ROWS`` entries ``[ROWS]`` of a per-row vector ``x [BLOCK_H]`` (see :func:`_leading_rows`)."""
-    if ROWS == x.shape[0]:
-        heads = x
-    else:
-        heads = tl.split(tl.permute(tl.reshape(x, (2, ROWS)), (1, 0)))[0]
-    return heads
 
 
 @triton.jit
@@ -307,8 +301,8 @@ def art_decode_split_kernel(
                                               stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
                     m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
                     norm, count, done = _probe_update(
-                        _leading_rows(acc, PROBE_ROWS), _leading_heads(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
-                        _leading_heads(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
+                        _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
+                        _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
                         probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
                     m, l, acc = m_new, l_new, acc_new
                 # (derived from the done bits here, not from the next horizon being 0: that placement compiled
