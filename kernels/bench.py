@@ -202,8 +202,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device, art=None)
-    splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / ART_BLOCK_SIZE), q.device, art=None,
-                               block_size=ART_BLOCK_SIZE)
+    blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
+    splits = choose_num_splits(batch, kv_heads, blocks, q.device, art=None, block_size=ART_BLOCK_SIZE)
     _, single_steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
     longest = int(single_steps[..., 0].max())
     calls = dict(_peer_fns(q, k, v, flex))
@@ -212,7 +212,6 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     calls["art_never"] = lambda: art_decode(q, k, v, art=NEVER, num_splits=splits)
     calls["art"] = lambda: art_decode(q, k, v, art=art)
     calls["art_calibrated"] = lambda: art_decode(q, k, v, art=art, longest_stop_steps=longest)
-    blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     extras = {"art_dense": dict(num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
