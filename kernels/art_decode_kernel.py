@@ -8,12 +8,15 @@ walks a contiguous range of the traversal *steps* (positions in the order, not t
 so split 0 holds the head of the order: the sink and the newest blocks under ``sink_recency``.
 
 Per step ``t`` the block ``j(t)`` (``t`` for ``sequential``; ``0`` then ``nb - t`` for
-``sink_recency``) is attended with the FlashAttention-2 online recurrence, written exactly
-as the simulator's ``mode="kernel"`` replay (``art_analysis.blockwise``)::
+``sink_recency``) is attended with the FlashAttention-2 online recurrence of the simulator's
+``mode="kernel"`` replay (``art_analysis.blockwise``)::
 
     s = (q @ k_blk^T) * sm_scale        (fp32, invalid tokens -inf)
     m_new = max(m, max s); alpha = exp(m - m_new); p = exp(s - m_new)
     l = alpha l + sum p;  acc = alpha acc + p.to(v.dtype) @ v_blk
+
+with the scale folded into the exponent: ``m`` holds the maximum of the unscaled ``q @ k_blk^T`` and
+each ``exp`` is the hardware's ``exp2`` of one FMA (``_attend_block``), the same numbers up to rounding.
 
 With ``ART`` the walk runs in chunks (an inner, software-pipelined loop whose K/V loads do not
 depend on the monitor, so they can be issued stages ahead, and are issued for the chunk's steps
@@ -106,14 +109,17 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION: tl.constexpr):
     """One step of the online softmax over the loaded ``k``, ``v`` tiles ``[BLOCK_N, D]`` (invalid tokens:
-    ``valid [BLOCK_N]`` false): returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    ``valid [BLOCK_N]`` false): returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.
+    ``m`` is the running maximum of the unscaled scores ``q k^T`` and ``score_log2`` is ``sm_scale * log2(e)``:
+    ``exp(sm_scale * (s - m))`` is evaluated as ``exp2(s * score_log2 - m * score_log2)``, one FMA and the
+    hardware's ``ex2`` per score."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp2((m - m_new) * score_log2)
+    p = tl.exp2(s * score_log2 - (m_new * score_log2)[:, None])
     l_new = alpha * l + tl.sum(p, 1)
     acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_new, acc_new
@@ -121,7 +127,7 @@ def _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION: tl.constex
 
 @triton.jit
 def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, sm_scale,
+                page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
@@ -129,7 +135,7 @@ def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src
         valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                                   page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                                   BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
-        m, l, acc = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
+        m, l, acc = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
     return m, l, acc
 
 
@@ -227,6 +233,7 @@ def art_decode_split_kernel(
     at ``D = 128``), else ``BLOCK_H``."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
+    score_log2 = sm_scale * 1.4426950408889634
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
     if RAGGED:
@@ -299,7 +306,7 @@ def art_decode_split_kernel(
                     valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
                                               stride_table_b, page_size, stride_k0, stride_kh, stride_kt, stride_v0,
                                               stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
-                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, sm_scale, DOT_PRECISION)
+                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
                     norm, count, done = _probe_update(
                         _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
                         _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
@@ -311,7 +318,7 @@ def art_decode_split_kernel(
             else:
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                         table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
-                                        stride_v0, stride_vh, stride_vt, sm_scale,
+                                        stride_v0, stride_vh, stride_vt, score_log2,
                                         BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
             visited += chunk_end - step
             step = chunk_end
@@ -325,7 +332,7 @@ def art_decode_split_kernel(
     else:
         m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                 table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
-                                stride_v0, stride_vh, stride_vt, sm_scale,
+                                stride_v0, stride_vh, stride_vt, score_log2,
                                 BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
         visited = tl.maximum(end - start, 0)
 
@@ -333,7 +340,7 @@ def art_decode_split_kernel(
     has_mass = l > 0.0
     l_safe = tl.where(has_mass, l, 1.0)
     out = tl.where(has_mass[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(has_mass, m + tl.log(l_safe), float("-inf"))
+    lse = tl.where(has_mass, m * sm_scale + tl.log(l_safe), float("-inf"))
     if SINGLE_SPLIT:
         out_rows = b.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
         tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
