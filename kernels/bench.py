@@ -81,6 +81,7 @@ ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
+MONITOR_OVERHEAD_TARGET = 0.01
 
 
 def kv_bytes(k: torch.Tensor) -> int:
@@ -314,23 +315,38 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     return rows
 
 
+def round_spread(row: dict) -> float:
+    """How far a row's rounds spread: ``max / min - 1`` of its ``ms_rounds`` (0 with fewer than two)."""
+    rounds = row.get("ms_rounds") or []
+    return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else 0.0
+
+
 def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -> dict:
     """The issue's targets, checked on the rows of the main grid; with ``lone_walk`` (``{data:``
-    :func:`lone_walk_latency` ``}``) also each data kind's time per block of a lone walk."""
+    :func:`lone_walk_latency` ``}``) also each data kind's time per block of a lone walk.
+
+    The monitor's overhead is also summarised over the *resolved* rows alone: those where neither the
+    never-stopping nor the block-64 dense time spread over its rounds by more than the target
+    (:func:`round_spread`), since elsewhere the measurement cannot tell 1 % from the card's drift."""
     by_shape: dict = {}
+    spread: dict = {}
     monitor_skipped = set()
     for r in rows:
         if "ms" in r:
             by_shape.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = r["ms"]
+            spread.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = round_spread(r)
         if r["impl"] == "art_never" and not r.get("monitor_runs", True):
             monitor_skipped.add((r["data"], r["batch"], r["seqlen"]))
-    dense_ratio, overhead, b1 = [], [], None
+    dense_ratio, overhead, resolved, b1 = [], [], [], None
     for (data, batch, seqlen), impls in by_shape.items():
         peers = [impls[p] for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention") if p in impls]
         if data == "synthetic" and batch >= 16 and peers and "art_dense" in impls:
             dense_ratio.append(min(peers) / impls["art_dense"])
         if "art_never" in impls and "art_dense_bs64" in impls and (data, batch, seqlen) not in monitor_skipped:
             overhead.append(impls["art_never"] / impls["art_dense_bs64"] - 1)
+            pair_spread = spread[(data, batch, seqlen)]
+            if max(pair_spread["art_never"], pair_spread["art_dense_bs64"]) <= MONITOR_OVERHEAD_TARGET:
+                resolved.append(overhead[-1])
         if data == "synthetic" and batch == 1 and seqlen == 32768 and peers and "art_dense" in impls:
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
@@ -343,8 +359,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -
         "b1_s32k": b1,
         "monitor_overhead_max": max(overhead, default=None),
         "monitor_overhead_median": sorted(overhead)[len(overhead) // 2] if overhead else None,
-        "monitor_overhead_target": 0.01,
+        "monitor_overhead_target": MONITOR_OVERHEAD_TARGET,
         "monitor_overhead_rows": len(overhead),
+        "monitor_overhead_rows_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead),
+        "monitor_overhead_resolved_rows": len(resolved),
+        "monitor_overhead_max_resolved": max(resolved, default=None),
         "monitor_skipped_rows": len(monitor_skipped),
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
         "art_rows_meeting_time_bound_at_the_dense_split_count": sum(

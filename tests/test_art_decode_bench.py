@@ -92,6 +92,24 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["art_rows"] == 2                                   # the calibrated rows are counted apart
 
 
+def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
+    def row(impl, rounds, batch):
+        return dict(data="synthetic", batch=batch, seqlen=8192, impl=impl, ms=sorted(rounds)[1], ms_rounds=rounds)
+
+    rows = [row("art_dense_bs64", [1.000, 1.002, 1.001], 32), row("art_never", [1.008, 1.009, 1.007], 32),
+            # +2 % by the medians, but the never-stopping rounds spread 3 %: within the card's drift
+            row("art_dense_bs64", [2.000, 2.001, 2.002], 64), row("art_never", [2.040, 1.990, 2.050], 64),
+            # the reference's rounds spread 1.5 %: not resolved either, whatever the overhead reads
+            row("art_dense_bs64", [3.000, 3.045, 3.010], 128), row("art_never", [3.001, 3.002, 3.003], 128)]
+    summary = summarise(rows, 4.2)
+    assert summary["monitor_overhead_rows"] == 3
+    assert abs(summary["monitor_overhead_max"] - (2.040 / 2.001 - 1)) < 1e-12
+    assert summary["monitor_overhead_rows_over_target"] == 1
+    assert summary["monitor_overhead_resolved_rows"] == 1
+    assert abs(summary["monitor_overhead_max_resolved"] - (1.008 / 1.001 - 1)) < 1e-12
+    assert summarise(rows[:2], 4.2)["monitor_overhead_rows_over_target"] == 0
+
+
 def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
     import pytest
 
