@@ -41,7 +41,10 @@ fastest a walk runs, alone on a multiprocessor.  That per-block time is measured
 (:func:`lone_walk_latency`: one split, never-terminating thresholds, B = 1, two lengths; the slope is
 ``step_us``, the intercept ``fixed_us``), and each ART row reports its *latency floor*
 ``fixed_us + leader_steps_max * step_us`` and whether the time bound lies below it (a bound no walk of
-this step time can meet, whatever the traffic).
+this step time can meet, whatever the traffic).  Single-split ART rows also report ``model_ms``
+(:func:`walk_model_ms`): the time of their walks (each pair's ``return_stats`` steps) under the fluid model of
+``kernels.walk_model``, at the lone walk's pace and the row's dense throughput shared evenly, and
+``walk_steps_histogram`` (``{steps: pairs}``), from which it was computed.
 
 ``run(out_dir, quick, art=..., make_cache=..., capture=...)`` writes
 ``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, every row, summary).
@@ -63,10 +66,12 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, art_decode, choose_num_splits,
-                         dense_walk_ends_first, leader_can_stop, leader_splits)
+from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode,
+                         choose_num_splits, dense_walk_ends_first, leader_can_stop, leader_splits)
 from .art_params import ARTParams
+from .device_info import num_sms
 from .results_io import write_json_atomic
+from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 LENGTHS = (8192, 32768, 131072)
@@ -217,8 +222,10 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER))}
+    walks = {}
     for impl, hint in (("art", None), ("art_calibrated", longest)):
         _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
+        walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
         extras[impl] = dict(num_splits=steps.shape[-1], loaded_fraction=_loaded_fraction(steps, seqlen),
                             dense_split_count=dense_walk_ends_first(batch, kv_heads, blocks, q.device, art, hint),
                             monitor_runs=leader_can_stop(blocks, steps.shape[-1], art),
@@ -245,8 +252,24 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             if lone_walk is not None:
                 row["latency_floor_ms"] = (lone_walk["fixed_us"] + row["leader_steps_max"] * lone_walk["step_us"]) / 1e3
                 row["time_bound_below_latency_floor"] = row["time_bound_ms"] < row["latency_floor_ms"]
+                if walks[row["impl"]] is not None:
+                    row["walk_steps_histogram"] = {str(n): walks[row["impl"]].count(n)
+                                                   for n in sorted(set(walks[row["impl"]]))}
+                    row["model_ms"] = walk_model_ms(walks[row["impl"]], lone_walk, head_dim, k.element_size(),
+                                                    nbytes / dense["ms"] / 1e9, num_sms(q.device))
     _speedups(rows)
     return rows
+
+
+def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element_size: int,
+                  bandwidth_tb_per_s: float, sms: int) -> float:
+    """:func:`kernels.walk_model.shared_bandwidth_ms` of single-split walks (``walk_steps``, one per
+    ``(b, kv_head)`` in launch order) of 64-token K/V blocks at the pace and fixed time of ``lone_walk``
+    (:func:`lone_walk_latency`), ``SMALL_BLOCK_PROGRAMS_PER_SM`` programs resident on each of ``sms``
+    multiprocessors."""
+    return shared_bandwidth_ms(walk_steps, step_us=lone_walk["step_us"], fixed_us=lone_walk["fixed_us"],
+                               block_bytes=2 * ART_BLOCK_SIZE * head_dim * element_size,
+                               bandwidth_tb_per_s=bandwidth_tb_per_s, slots=SMALL_BLOCK_PROGRAMS_PER_SM * sms)
 
 
 def _time_interleaved(calls: dict, rep_ms: int, rounds: int) -> dict[str, dict]:
@@ -351,6 +374,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
     calibrated_rows = [r for r in rows if r["impl"] == "art_calibrated" and "meets_time_bound" in r]
+    modelled = [r["ms"] / r["model_ms"] for r in art_rows if "model_ms" in r]
     return {
         "copy_ceiling_tb_per_s": ceiling,
         "dense_over_best_peer_throughput_b16plus_min": min(dense_ratio, default=None),
@@ -373,6 +397,9 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -
         "art_rows": len(art_rows),
         "art_calibrated_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in calibrated_rows),
         "art_calibrated_rows": len(calibrated_rows),
+        "art_rows_modelled": len(modelled),
+        "art_ms_over_model_min": min(modelled, default=None),
+        "art_ms_over_model_max": max(modelled, default=None),
         **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
     }
 

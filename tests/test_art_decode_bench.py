@@ -1,6 +1,7 @@
 """The decode benchmark's byte model, loaded-block accounting and target summary (CPU, no timing)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kernels.art_decode as art_decode_module
@@ -90,6 +91,12 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["lone_walk_step_us_synthetic"] == 1.3
     assert summary["art_calibrated_rows_meeting_time_bound"] == 1 and summary["art_calibrated_rows"] == 1
     assert summary["art_rows"] == 2                                   # the calibrated rows are counted apart
+    assert summary["art_rows_modelled"] == 0 and summary["art_ms_over_model_max"] is None
+    rows[5]["model_ms"], rows[10]["model_ms"] = 0.16, 0.05           # 0.2 / 0.16 and 0.05 / 0.05
+    summary = summarise(rows, 4.2)
+    assert summary["art_rows_modelled"] == 2
+    assert summary["art_ms_over_model_min"] == pytest.approx(1.0)
+    assert summary["art_ms_over_model_max"] == pytest.approx(1.25)
 
 
 def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
@@ -111,8 +118,6 @@ def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
 
 
 def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
-    import pytest
-
     import kernels.bench as bench
 
     lengths = []
@@ -182,8 +187,27 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art"]["latency_floor_ms"] == (5.0 + 2.0 * by_impl["art"]["leader_steps_max"]) / 1e3
     assert by_impl["art"]["time_bound_below_latency_floor"] == (
         by_impl["art"]["time_bound_ms"] < by_impl["art"]["latency_floor_ms"])
+    # one split (one multiprocessor off the GPU): the walks' fluid model at the dense row's throughput
+    assert by_impl["art"]["num_splits"] == 1
+    walks = steps[..., 0].flatten().tolist()
+    assert by_impl["art"]["walk_steps_histogram"] == {str(n): walks.count(n) for n in sorted(set(walks))}
+    assert by_impl["art"]["model_ms"] == bench.walk_model_ms(walks, {"step_us": 2.0, "fixed_us": 5.0}, 64, 2,
+                                                             bench.kv_bytes(k) / 8.0 / 1e9, 1)
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
     assert by_impl["art_dense"]["speedup_vs_best_peer"] == 7.0 / 8.0
+
+
+def test_walk_model_of_a_launch_counts_64_token_blocks_and_the_resident_programs():
+    import kernels.bench as bench
+    from kernels.walk_model import shared_bandwidth_ms
+
+    lone = {"step_us": 1.5, "fixed_us": 4.0}
+    walks = [7, 3, 9, 2, 2, 5, 6, 4, 6, 3, 8, 3, 5, 11]                     # 14 programs, 12 resident
+    expected = shared_bandwidth_ms(walks, step_us=1.5, fixed_us=4.0, block_bytes=2 * 64 * 128 * 2,
+                                   bandwidth_tb_per_s=10.0, slots=12)
+    assert bench.walk_model_ms(walks, lone, 128, 2, 10.0, 3) == expected
+    assert expected > shared_bandwidth_ms(walks, step_us=1.5, fixed_us=4.0, block_bytes=2 * 64 * 128 * 2,
+                                          bandwidth_tb_per_s=10.0, slots=14)   # two walks wait for a slot
 
 
 def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid_one_warp_at_d64(monkeypatch):
