@@ -22,7 +22,9 @@ never stops visits every block.
 of the softmax mass: FlexPrefill's key-centric coverage rule) and :class:`FixedBudget`.
 
 :func:`stop` evaluates one rule; :func:`sweep` evaluates many over one trace, computing
-each probe's norms and dot products once.
+each probe's norms and dot products once; :func:`kernel_walk_steps` turns a ``group="all"`` result into
+the blocks each ``(b, kv_head)``'s kernel program loads, and :func:`replay_kernel_walks` replays a
+single-split kernel call.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .blockwise import BlockTrace
+from .blockwise import BlockTrace, blockwise_attention
 from .checks import check_fraction
 
 PROBE_SOURCES = ("output", "accumulator")
@@ -239,6 +241,28 @@ class SweepResult:
 def stop(trace: BlockTrace, rule: Rule) -> StopResult:
     """Evaluate one stopping rule on a trace."""
     return _result(trace, _Evaluator(trace).stop_steps(rule))
+
+
+def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
+    """Blocks the kernel's single-split program of each ``(b, kv_head)`` loads: ``[B, Hkv]`` int64, the group's
+    stop step + 1, for a ``result`` of a rule with ``group="all"`` (the kernel's rule: every query head of a
+    KV head stops at one step) on a trace with ``kv_heads`` KV heads."""
+    batch, q_heads = result.stop_step.shape
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"kv_heads must divide the {q_heads} query heads, got {kv_heads}")
+    grouped = result.stop_step.view(batch, kv_heads, q_heads // kv_heads)
+    if not bool((grouped == grouped[..., :1]).all()):
+        raise ValueError("the query heads of a KV head stop at different steps: use a rule with group='all'")
+    return grouped[..., 0] + 1
+
+
+def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: ARTConfig, *,
+                        block_size: int = 64, order: str = "sink_recency") -> torch.Tensor:
+    """The simulator's replay of the kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``
+    (kernel mode: fp32 recurrence, ``p`` rounded to the value dtype): the blocks each ``(b, kv_head)`` loads
+    under ``rule`` (``group="all"``), ``[B, Hkv]`` int64."""
+    trace = blockwise_attention(q, k, v, block_size=block_size, order=order, mode="kernel")
+    return kernel_walk_steps(stop(trace, rule), k.shape[1])
 
 
 def sweep(trace: BlockTrace, rules: Sequence[Rule]) -> SweepResult:

@@ -1,7 +1,8 @@
 """The fluid walk model (``kernels.walk_model``) for the single-split ART rows of a decode run that did not record
-its walks: each row's walks are replayed on the CPU by the simulator (kernel mode, bf16 inputs as on the GPU), the
-replay is compared with the row's recorded leader steps (mean and longest walk), and the model is evaluated at the run's lone step and
-the row's dense throughput.  Also reported: the lone step at which the model would meet the row's time bound.
+its walks.  Each row's walks are replayed on the CPU by the simulator (kernel mode, bf16 inputs as on the GPU), the
+replay is compared with the row's recorded leader steps (mean and longest walk), and the model is evaluated at the
+run's lone step and the row's dense throughput.  Also reported: the lone step at which the model would meet the
+row's time bound.
 
     python benchmarks/art_decode_walk_model.py benchmarks/results/2026-12-01-art-decode.json \\
         --capture .carry/smollm2_layer15_ctx8192.safetensors --out benchmarks/results/2026-12-01-art-decode-walk-model.json
@@ -17,25 +18,16 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from art_analysis.blockwise import blockwise_attention  # noqa: E402
 from art_analysis.synthetic import synthetic_cache  # noqa: E402
-from art_analysis.termination import ARTConfig, stop  # noqa: E402
-from kernels.bench import structured_sequences, tiled_capture, walk_model_ms  # noqa: E402
+from art_analysis.termination import ARTConfig, replay_kernel_walks  # noqa: E402
+from kernels.bench import capture_queries, structured_sequences, tiled_capture, walk_model_ms  # noqa: E402
 from kernels.results_io import write_json_atomic  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-def replayed_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ARTConfig) -> torch.Tensor:
-    """Blocks each ``(b, kv_head)`` loads in a single-split ART walk: ``[B, Hkv]`` (the simulator's stop step + 1)."""
-    trace = blockwise_attention(q, k, v, block_size=64, order="sink_recency", mode="kernel")
-    group = q.shape[1] // k.shape[1]
-    return stop(trace, config).stop_step[:, ::group] + 1
 
 
 def distinct_inputs(data: str, seqlen: int, capture: Path | None) -> tuple[torch.Tensor, ...] | None:
@@ -44,9 +36,7 @@ def distinct_inputs(data: str, seqlen: int, capture: Path | None) -> tuple[torch
         return structured_sequences(synthetic_cache, seqlen, CPU)
     if capture is None:
         return None
-    with safe_open(str(capture), framework="pt") as tensors:
-        queries = tensors.get_slice("decode_q").get_shape()[2]      # batch row b uses decode query b % queries
-    return tiled_capture(capture, queries, seqlen, CPU)
+    return tiled_capture(capture, capture_queries(capture), seqlen, CPU)
 
 
 def needed_step_us(walks: list[int], lone: dict, row: dict, bandwidth: float, sms: int) -> float | None:
@@ -82,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         key = (row["data"], row["seqlen"])
         if key not in replays:
             inputs = distinct_inputs(row["data"], row["seqlen"], args.capture)
-            replays[key] = None if inputs is None else replayed_walks(*inputs, config)
+            replays[key] = None if inputs is None else replay_kernel_walks(*inputs, config)
         if replays[key] is None:
             continue
         distinct = replays[key]

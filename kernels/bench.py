@@ -44,7 +44,10 @@ fastest a walk runs, alone on a multiprocessor.  That per-block time is measured
 this step time can meet, whatever the traffic).  Single-split ART rows also report ``model_ms``
 (:func:`walk_model_ms`): the time of their walks (each pair's ``return_stats`` steps) under the fluid model of
 ``kernels.walk_model``, at the lone walk's pace and the row's dense throughput shared evenly, and
-``walk_steps_histogram`` (``{steps: pairs}``), from which it was computed.
+``walk_steps_histogram`` (``{steps: pairs}``), from which it was computed.  Given the simulator's replay
+(the CLI passes it), the run also compares the kernel's single-split walks on each length's distinct sequences
+with the simulator's, at the benchmark's sizes (``stop_agreement``: pairs equal, off by one, the largest
+difference).
 
 ``run(out_dir, quick, art=..., make_cache=..., capture=...)`` writes
 ``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, every row, summary).
@@ -145,6 +148,30 @@ def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int,
     steps = decode_q.shape[2]
     q = decode_q[0, :, torch.arange(batch) % steps].permute(1, 0, 2).to(device=device, dtype=torch.bfloat16)
     return q.contiguous(), k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()
+
+
+def capture_queries(path: str | os.PathLike) -> int:
+    """The decode queries of a captured layer (``decode_q [1, Hq, steps, D]``): its distinct batch rows when tiled."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as tensors:
+        return tensors.get_slice("decode_q").get_shape()[2]
+
+
+def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTParams,
+                   replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> dict:
+    """The kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` against ``replay(q, k, v)``
+    (the simulator's ``[B, Hkv]`` blocks per walk): ``{"pairs", "equal", "off_by_one", "max_abs_diff",
+    "differences": {diff: pairs}}`` (kernel minus simulator, the unequal pairs only)."""
+    _, steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
+    expected = replay(q, k, v)
+    if tuple(expected.shape) != tuple(steps.shape[:2]):
+        raise ValueError(f"replay must return [B, Hkv] = {tuple(steps.shape[:2])}, got {tuple(expected.shape)}")
+    diff = (steps[..., 0].long().cpu() - expected.long().cpu()).flatten()
+    unequal = diff[diff != 0].tolist()
+    return {"pairs": diff.numel(), "equal": int((diff == 0).sum()), "off_by_one": int((diff.abs() == 1).sum()),
+            "max_abs_diff": int(diff.abs().max()),
+            "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))}}
 
 
 def _peer_fns(q, k, v, flex: bool) -> dict:
@@ -344,9 +371,11 @@ def round_spread(row: dict) -> float:
     return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else 0.0
 
 
-def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -> dict:
+def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
+              agreement: list[dict] | None = None) -> dict:
     """The issue's targets, checked on the rows of the main grid; with ``lone_walk`` (``{data:``
-    :func:`lone_walk_latency` ``}``) also each data kind's time per block of a lone walk.
+    :func:`lone_walk_latency` ``}``) also each data kind's time per block of a lone walk, and with
+    ``agreement`` (:func:`stop_agreement` entries) the walks equal to the simulator's over all of them.
 
     The monitor's overhead is also summarised over the *resolved* rows alone: those where neither the
     never-stopping nor the block-64 dense time spread over its rounds by more than the target
@@ -401,17 +430,22 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None) -
         "art_ms_over_model_min": min(modelled, default=None),
         "art_ms_over_model_max": max(modelled, default=None),
         **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
+        **({"stop_steps_equal": sum(a["equal"] for a in agreement), "stop_steps_pairs": sum(a["pairs"] for a in agreement),
+            "stop_steps_max_abs_diff": max(a["max_abs_diff"] for a in agreement)} if agreement else {}),
     }
 
 
 def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: Callable,
-        capture: str | os.PathLike | None = None) -> dict:
+        capture: str | os.PathLike | None = None, replay: Callable | None = None) -> dict:
     """Run the decode benchmark and write ``<out_dir>/<date>-art-decode.json``; returns the payload.
 
     ``quick``: B in {1, 32} x S in {8k, 32k} and no FlexAttention (a smoke run).
     ``art``: the thresholds of the terminating ART rows.  ``make_cache``: structured cache
     generator (see the module docstring).  ``capture``: a safetensors layer (``k``, ``v``,
-    ``decode_q``) benchmarked tiled to each length.
+    ``decode_q``) benchmarked tiled to each length.  ``replay``: the simulator's single-split walks
+    (``replay(q, k, v) -> [B, Hkv]`` blocks, e.g. ``art_analysis.termination.replay_kernel_walks`` with the
+    same rule): the kernel's walks on each length's distinct sequences are compared with it
+    (:func:`stop_agreement`, ``stop_agreement`` in the payload and the summary).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("the decode benchmark needs a CUDA device")
@@ -444,6 +478,14 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         lone_inputs["smollm2_layer15_tiled"] = lambda seqlen: tiled_capture(capture, 1, seqlen, device)
     payload["lone_walk"] = {data: lone_walk_latency(make_qkv, rep_ms)
                             for data, make_qkv in tqdm(lone_inputs.items(), desc="lone walk")}
+    if replay is not None:
+        distinct = [("synthetic", s, lambda s=s: structured_sequences(make_cache, s, device)) for s in lengths]
+        if capture is not None:
+            queries = capture_queries(capture)
+            distinct += [("smollm2_layer15_tiled", s, lambda s=s: tiled_capture(capture, queries, s, device))
+                         for s in lengths]
+        payload["stop_agreement"] = [{"data": data, "seqlen": seqlen, **stop_agreement(*make(), art, replay)}
+                                     for data, seqlen, make in tqdm(distinct, desc="stop agreement")]
     rows, study, sequences = [], [], {}
     for data, batch, seqlen in tqdm(cases, desc="decode bench"):
         if data == "synthetic":
@@ -461,6 +503,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         del q, k, v
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
-    payload.update(rows=rows, split_study=study, complete=True, summary=summarise(rows, ceiling, payload["lone_walk"]))
+    payload.update(rows=rows, split_study=study, complete=True,
+                   summary=summarise(rows, ceiling, payload["lone_walk"], payload.get("stop_agreement")))
     write_json_atomic(path, payload)
     return payload

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import kernels.art_decode as art_decode_module
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
-from art_analysis.termination import ARTConfig, stop
+from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
 from kernels.art_decode import art_decode
 
 CPU = torch.device("cpu")
@@ -97,8 +97,7 @@ def simulator_stop(q, k, v, seqlens, config, order, block_size=64):
     """Steps each ``(b, kv_head)`` visits under ``config`` in the simulator: ``[B, Hkv]`` and the StopResult."""
     trace = blockwise_attention(q, k, v, block_size=block_size, order=order, cache_seqlens=seqlens, mode="kernel")
     result = stop(trace, config)
-    group = q.shape[1] // k.shape[1]
-    return result.stop_step[:, ::group] + 1, result
+    return kernel_walk_steps(result, k.shape[1]), result
 
 
 def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1):
@@ -109,7 +108,7 @@ def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1):
         group = q.shape[1] // k.shape[1]
         for config in configs:
             result = stop(trace, config)
-            expected = result.stop_step[:, ::group] + 1
+            expected = kernel_walk_steps(result, k.shape[1])
             out, steps = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), order=order,
                                     num_splits=num_splits, return_stats=True)
             got = steps[..., 0].long()

@@ -225,3 +225,34 @@ def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid
     assert config(cuda, 32, 128, 4096, host) == (2, 3)
     assert config(cuda, 128, 128, 4096, "pointers") == (4, 3)
     assert config(torch.device("cpu"), 64, 128, 4096, host) == (4, 2)
+
+
+def test_stop_agreement_counts_the_walks_equal_to_the_simulators():
+    from art_analysis.synthetic import synthetic_cache
+    from art_analysis.termination import ARTConfig, replay_kernel_walks
+    from kernels.bench import stop_agreement
+
+    cache = synthetic_cache(batch=2, num_q_heads=4, num_kv_heads=2, seqlen=1024, head_dim=64, preset="realistic",
+                            dtype=torch.float16)
+    config = ARTConfig(tau=2e-2, phi=1e-3, patience=3)
+    replay = lambda q, k, v: replay_kernel_walks(q, k, v, config)                  # noqa: E731
+    exact = stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), replay)
+    assert exact == {"pairs": 4, "equal": 4, "off_by_one": 0, "max_abs_diff": 0, "differences": {}}
+    walks = replay(cache.q, cache.k, cache.v)
+    shifted = lambda q, k, v: walks + torch.tensor([[1, 0], [0, -3]])              # noqa: E731
+    report = stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), shifted)
+    assert report == {"pairs": 4, "equal": 2, "off_by_one": 1, "max_abs_diff": 3, "differences": {"-1": 1, "3": 1}}
+    with pytest.raises(ValueError, match=r"\[B, Hkv\]"):
+        stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), lambda q, k, v: walks.flatten())
+    rows = [dict(data="synthetic", batch=2, seqlen=1024, impl="art_dense", ms=1.0)]
+    summary = summarise(rows, 4.2, agreement=[exact, report])
+    assert (summary["stop_steps_equal"], summary["stop_steps_pairs"], summary["stop_steps_max_abs_diff"]) == (6, 8, 3)
+    assert "stop_steps_equal" not in summarise(rows, 4.2)
+
+
+def test_capture_queries_reads_the_decode_steps_of_a_captured_layer():
+    from pathlib import Path
+
+    from kernels.bench import capture_queries
+
+    assert capture_queries(Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors") == 8

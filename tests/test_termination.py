@@ -3,8 +3,8 @@ import torch
 
 from art_analysis.blockwise import BlockTrace, blockwise_attention
 from art_analysis.synthetic import synthetic_cache
-from art_analysis.termination import (ARTConfig, FixedBudget, MassCoverage, Oracle, mma_probe_dims, stop,
-                                      sweep)
+from art_analysis.termination import (ARTConfig, FixedBudget, MassCoverage, Oracle, kernel_walk_steps,
+                                      mma_probe_dims, stop, sweep)
 
 
 def hand_trace(outputs, kv_heads=1, steps_per_kv=None, accumulator=None, block_mass=None):
@@ -236,3 +236,20 @@ def test_bad_baselines_and_rules():
         stop(trace, "art")
     with pytest.raises(ValueError, match="probe_dims"):
         stop(trace, ARTConfig(probe_dims=torch.tensor([5])))
+
+
+def test_kernel_walk_steps_are_the_group_stop_plus_one_per_kv_head():
+    # two KV heads of two query heads: the first group converges (steps 1-3 stable), the second never does
+    calm = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    restless = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    trace = hand_trace(torch.cat([scaled_walk(calm), scaled_walk(calm), scaled_walk(restless),
+                                  scaled_walk(calm)], dim=1), kv_heads=2)
+    result = stop(trace, ARTConfig(tau=1e-3, phi=1e-3, patience=3))
+    assert result.stop_step.tolist() == [[3, 3, 5, 5]]
+    assert kernel_walk_steps(result, 2).tolist() == [[4, 6]]
+    with pytest.raises(ValueError, match="divide"):
+        kernel_walk_steps(result, 3)
+    per_head = stop(trace, ARTConfig(tau=1e-3, phi=1e-3, patience=3, group="head"))
+    with pytest.raises(ValueError, match="group='all'"):
+        kernel_walk_steps(per_head, 2)
+

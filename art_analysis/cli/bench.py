@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import functools
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from .art_options import add_art_options, art_config_from_args
@@ -41,9 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
         from ..plots.kernel_speed import plot_kernel_speed
         from ..synthetic import synthetic_cache
+        from ..termination import replay_kernel_walks
 
-        payload = run_decode(args.out, args.quick, art=art_config_from_args(args).kernel_params(),
-                             make_cache=synthetic_cache, capture=args.capture)
+        config = art_config_from_args(args)
+        payload = run_decode(args.out, args.quick, art=config.kernel_params(), make_cache=synthetic_cache,
+                             capture=args.capture, replay=functools.partial(replay_kernel_walks, rule=config))
         plot_kernel_speed(payload, args.figure)
         summaries["decode"] = payload["summary"]
     if args.suite in ("flexprefill", "all"):
