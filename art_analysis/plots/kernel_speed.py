@@ -67,6 +67,11 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
             ax.scatter([r["loaded_fraction"] for r in floored],
                        [r["latency_floor_ms"] / dense[(data, r["batch"], r["seqlen"])] for r in floored],
                        marker="_", s=80, color=color, label=f"{name}: longest walk x lone step")
+        modelled = [r for r in sub if "model_ms" in r]
+        if modelled:
+            ax.scatter([r["loaded_fraction"] for r in modelled],
+                       [r["model_ms"] / dense[(data, r["batch"], r["seqlen"])] for r in modelled],
+                       marker="x", s=20, color=color, label=f"{name}: walks at the lone pace, shared bandwidth")
     ax.plot([0, 1], [0, 1.15], color="red", linewidth=0.8, linestyle=":", label="target 1.15 x fraction")
     ax.set_xlabel("loaded fraction of the KV blocks")
     ax.set_ylabel("ART time / dense time")
