@@ -49,8 +49,9 @@ this step time can meet, whatever the traffic).  Single-split ART rows also repo
 with the simulator's, at the benchmark's sizes (``stop_agreement``: pairs equal, off by one, the largest
 difference).
 
-``run(out_dir, quick, art=..., make_cache=..., capture=...)`` writes
-``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, every row, summary).
+``run(out_dir, quick, art=..., make_cache=..., capture=..., replay=...)`` writes
+``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, the stop agreement,
+every row, summary).
 """
 from __future__ import annotations
 
