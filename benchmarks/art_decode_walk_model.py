@@ -24,19 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from art_analysis.synthetic import synthetic_cache  # noqa: E402
 from art_analysis.termination import ARTConfig, replay_kernel_walks  # noqa: E402
-from kernels.bench import capture_queries, structured_sequences, tiled_capture, walk_model_ms  # noqa: E402
+from kernels.bench import distinct_inputs, steps_histogram, walk_model_ms  # noqa: E402
 from kernels.results_io import write_json_atomic  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-def distinct_inputs(data: str, seqlen: int, capture: Path | None) -> tuple[torch.Tensor, ...] | None:
-    """The distinct batch rows of a benchmark input (its batch tiles them cyclically), or None without the capture."""
-    if data == "synthetic":
-        return structured_sequences(synthetic_cache, seqlen, CPU)
-    if capture is None:
-        return None
-    return tiled_capture(capture, capture_queries(capture), seqlen, CPU)
 
 
 def needed_step_us(walks: list[int], lone: dict, row: dict, bandwidth: float, sms: int) -> float | None:
@@ -71,8 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
     for row in tqdm(targets, desc="walk model"):
         key = (row["data"], row["seqlen"])
         if key not in replays:
-            inputs = distinct_inputs(row["data"], row["seqlen"], args.capture)
-            replays[key] = None if inputs is None else replay_kernel_walks(*inputs, config)
+            replayable = row["data"] == "synthetic" or args.capture is not None
+            replays[key] = replay_kernel_walks(*distinct_inputs(row["data"], row["seqlen"], CPU, synthetic_cache,
+                                                                args.capture), config) if replayable else None
         if replays[key] is None:
             continue
         distinct = replays[key]
@@ -87,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
             "data": row["data"], "batch": row["batch"], "seqlen": row["seqlen"], "impl": row["impl"],
             "replay_steps_mean": sum(walks) / len(walks), "replay_steps_max": max(walks),
             "run_steps_mean": row["leader_steps_mean"], "run_steps_max": row["leader_steps_max"],
-            "walk_steps_histogram": {str(n): walks.count(n) for n in sorted(set(walks))},
+            "walk_steps_histogram": steps_histogram(walks),
             "ms": row["ms"], "time_bound_ms": row["time_bound_ms"], "meets_time_bound": row["meets_time_bound"],
             "model_ms": model_ms, "ms_over_model": row["ms"] / model_ms,
             "model_meets_time_bound": model_ms <= row["time_bound_ms"],

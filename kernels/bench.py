@@ -159,6 +159,20 @@ def capture_queries(path: str | os.PathLike) -> int:
         return tensors.get_slice("decode_q").get_shape()[2]
 
 
+def distinct_inputs(data: str, seqlen: int, device: torch.device, make_cache: Callable,
+                    capture: str | os.PathLike | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` of the distinct batch rows of a benchmark input (a batch tiles them cyclically): the two
+    structured sequences for ``data == "synthetic"``, else one row per decode query of the captured layer."""
+    if data == "synthetic":
+        return structured_sequences(make_cache, seqlen, device)
+    return tiled_capture(capture, capture_queries(capture), seqlen, device)
+
+
+def steps_histogram(walks: list[int]) -> dict[str, int]:
+    """``{steps: walks}`` of a list of walk lengths, in increasing steps."""
+    return {str(n): walks.count(n) for n in sorted(set(walks))}
+
+
 def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTParams,
                    replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> dict:
     """The kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` against ``replay(q, k, v)``
@@ -281,8 +295,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                 row["latency_floor_ms"] = (lone_walk["fixed_us"] + row["leader_steps_max"] * lone_walk["step_us"]) / 1e3
                 row["time_bound_below_latency_floor"] = row["time_bound_ms"] < row["latency_floor_ms"]
                 if walks[row["impl"]] is not None:
-                    row["walk_steps_histogram"] = {str(n): walks[row["impl"]].count(n)
-                                                   for n in sorted(set(walks[row["impl"]]))}
+                    row["walk_steps_histogram"] = steps_histogram(walks[row["impl"]])
                     row["model_ms"] = walk_model_ms(walks[row["impl"]], lone_walk, head_dim, k.element_size(),
                                                     nbytes / dense["ms"] / 1e9, num_sms(q.device))
     _speedups(rows)
@@ -480,13 +493,11 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
     payload["lone_walk"] = {data: lone_walk_latency(make_qkv, rep_ms)
                             for data, make_qkv in tqdm(lone_inputs.items(), desc="lone walk")}
     if replay is not None:
-        distinct = [("synthetic", s, lambda s=s: structured_sequences(make_cache, s, device)) for s in lengths]
-        if capture is not None:
-            queries = capture_queries(capture)
-            distinct += [("smollm2_layer15_tiled", s, lambda s=s: tiled_capture(capture, queries, s, device))
-                         for s in lengths]
-        payload["stop_agreement"] = [{"data": data, "seqlen": seqlen, **stop_agreement(*make(), art, replay)}
-                                     for data, seqlen, make in tqdm(distinct, desc="stop agreement")]
+        kinds = ("synthetic",) + (("smollm2_layer15_tiled",) if capture is not None else ())
+        payload["stop_agreement"] = [
+            {"data": data, "seqlen": seqlen,
+             **stop_agreement(*distinct_inputs(data, seqlen, device, make_cache, capture), art, replay)}
+            for data, seqlen in tqdm([(d, s) for d in kinds for s in lengths], desc="stop agreement")]
     rows, study, sequences = [], [], {}
     for data, batch, seqlen in tqdm(cases, desc="decode bench"):
         if data == "synthetic":
