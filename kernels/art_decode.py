@@ -190,7 +190,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages, page_size, Hkv, D]``
             when ``block_table`` is given; same dtype and device as ``q``, unit stride in ``D``.
         cache_seqlens: ``[B]`` int32/int64 valid tokens per sequence, ``1 <= len <= capacity``
-            (default: the capacity, ``S`` or ``max_pages * page_size``).
+            (default: the capacity, ``S`` or ``max_pages * page_size``).  Inside a CUDA-graph capture
+            the values are not read (that needs a sync): the graph is sized for the capacity, its replays
+            read the tensor's current lengths, and keeping them (and ``block_table``'s pages) valid is
+            the caller's part.
         block_table: ``[B, max_pages]`` int32/int64 page ids of each sequence (paged layout).
         sm_scale: softmax scale, default ``D ** -0.5``.
         art: monitor settings, or ``None`` for dense attention.
@@ -237,8 +240,12 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
     capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
-    seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device)
-    if paged:
+    # inside a CUDA-graph capture no value can be read back: the lengths and pages go unchecked, and the grid is
+    # sized for the capacity, so that every replay may change the lengths in place
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device,
+                                      read_values=not capturing)
+    if paged and not capturing:
         _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if art is not None and max_steps > MAX_ART_STEPS:
@@ -494,10 +501,11 @@ def _check_tensors(q, k_cache, v_cache, block_table):
     return batch, q_heads, head_dim
 
 
-def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
+def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device, read_values=True):
     """``(seqlens, max length)``: ``seqlens`` the ``[B]`` int32 lengths on the device when they differ,
     ``None`` when every sequence has the max length (the kernel then takes it as a scalar).  Validates
-    ``1 <= len <= capacity`` (one sync)."""
+    ``1 <= len <= capacity`` (one sync).  Without ``read_values`` (a CUDA-graph capture) only the tensor's
+    type, shape and device are checked: the lengths stay a tensor and the max length is the capacity."""
     if cache_seqlens is None:
         if capacity < 1:
             raise ValueError(f"the KV cache holds no token ({capacity_name} = {capacity}); it needs at least one")
@@ -510,6 +518,8 @@ def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device):
         raise ValueError(f"cache_seqlens must have shape [B]=[{batch}], got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on {device}, got {cache_seqlens.device}")
+    if not read_values:
+        return cache_seqlens.to(torch.int32).contiguous(), capacity
     low, high = torch.stack(torch.aminmax(cache_seqlens)).tolist()
     if low < 1:
         raise ValueError(f"cache_seqlens must be >= 1, got a length of {low}")

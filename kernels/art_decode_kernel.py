@@ -146,25 +146,37 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
                   USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr):
     """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head.
 
-    The output probe ``acc / l`` is never formed: its norm and dot product are the
-    accumulator's scaled by ``1 / l`` per head, and the two sums over ``D`` are reduced
-    together (one cross-warp exchange).  The tests are evaluated without division, which
-    is what the step's latency is made of::
+    The output probe ``x = acc / l`` is never formed: its norm is the accumulator's scaled by ``1 / l`` per
+    head.  The direction test reads the change ``x - x_old`` as ``acc_new - acc_old * l_new / l_old`` (one FMA
+    per element; its squared norm scaled by ``1 / l_new^2`` after the sum), reduced together with ``|acc|^2``
+    (one cross-warp exchange), and uses the simulator's cancellation-free ``1 - cos``
+    (``art_analysis.termination.one_minus_cos``)::
 
         d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
-        d_dir   < phi  <=>  dot > (1 - phi) * max(n * n_old, 1e-30)
+        d_dir   < phi  <=>  |x - x_old|^2 - (n - n_old)^2 < 2 phi n n_old  and  n n_old > 1e-30
     """
     square = acc_new * acc_new
-    product = acc_new * acc_old
     if PROBE_MMA:
         square = tl.where(probe_mask, square, 0.0)
-        product = tl.where(probe_mask, product, 0.0)
-    squares, dot = tl.split(tl.sum(tl.join(square, product), 1))
-    norm = tl.sqrt_rn(squares)
     if PROBE_OUTPUT:
         inv_l = 1.0 / tl.maximum(l_new, 1e-30)
+    if USE_DIRECTION:
+        if PROBE_OUTPUT:
+            # l_new * (x - x_old): one FMA per element, the 1 / l_new^2 applied to the sum
+            moved = acc_new - acc_old * (l_new / tl.maximum(l_old, 1e-30))[:, None]
+        else:
+            moved = acc_new - acc_old
+        moved = moved * moved
+        if PROBE_MMA:
+            moved = tl.where(probe_mask, moved, 0.0)
+        squares, moved = tl.split(tl.sum(tl.join(square, moved), 1))
+        if PROBE_OUTPUT:
+            moved = moved * inv_l * inv_l
+    else:
+        squares = tl.sum(square, 1)
+    norm = tl.sqrt_rn(squares)
+    if PROBE_OUTPUT:
         norm = norm * inv_l
-        dot = dot * inv_l / tl.maximum(l_old, 1e-30)
     stable = step >= first_counted
     if USE_SCALE:
         change = tl.abs(norm - norm_old)
@@ -173,7 +185,9 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
         else:
             stable = stable & (change < tau)
     if USE_DIRECTION:
-        stable = stable & (dot > (1.0 - phi) * tl.maximum(norm * norm_old, 1e-30))
+        radial = norm - norm_old
+        both = norm * norm_old
+        stable = stable & (moved - radial * radial < 2.0 * phi * both) & (both > 1e-30)
     count = tl.where(stable, count + 1, 0)
     done = done | (count >= patience).to(tl.int32)
     return norm, count, done

@@ -171,6 +171,14 @@ def test_stop_steps_match_simulator_on_synthetic_caches():
     assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS), "synthetic")
 
 
+def test_stop_steps_match_simulator_at_the_default_thresholds():
+    # phi = 1e-6 sits at the fp32 rounding of 1 - dot / (|x| |y|): with that quotient in the monitor, 5 of these
+    # 32 walks differed from the simulator's by up to 30 steps; both now use the cancellation-free 1 - cos
+    cases = [(*synthetic_inputs(2, 16, 4, 4096, 128, torch.float16, CPU, seed=seed, preset=preset), None)
+             for seed, preset in enumerate(("realistic", "realistic", "peaked", "diffuse"))]
+    assert_stop_agreement(*compare_stop_steps(cases, [ARTConfig()]), "synthetic, default thresholds")
+
+
 def test_stop_steps_match_simulator_on_captured_layer():
     q, k, v, seqlens = (x[::2] for x in captured_inputs(CPU))
     assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS[:4]), "captured SmolLM2 layer 15")
@@ -453,9 +461,10 @@ def test_gpu_stop_steps_match_simulator():
                                                         ("realistic", 48, 4))):
         q, k, v = synthetic_inputs(8, q_heads, kv_heads, 4096, 128, torch.bfloat16, _cuda(), seed=seed, preset=preset)
         cases.append((q, k, v, None))
-    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS), "GPU bf16 synthetic")
+    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS + (ARTConfig(),)), "GPU bf16 synthetic")
     q, k, v, seqlens = captured_inputs(_cuda(), torch.bfloat16)
-    assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS), "GPU bf16 captured layer")
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS + (ARTConfig(),)),
+                          "GPU bf16 captured layer")
 
 
 @pytest.mark.gpu
@@ -488,6 +497,34 @@ def test_gpu_ragged_paged_layouts_agree():
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
         for a, b in zip(paged, contiguous):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
+    # a decode loop captures one call and changes cache_seqlens between replays: each replay must equal an
+    # eager call on the lengths of that moment (the capture cannot read them, so it checks none)
+    q, k, v = synthetic_inputs(4, 32, 8, 8192, 128, torch.bfloat16, _cuda(), seed=3)
+    table = None
+    if paged:
+        k, v, table = to_paged(k, v, 16, seed=3)
+    for art, splits, dtype in ((None, 4, torch.int32), (ARTConfig().kernel_params(), 1, torch.int64)):
+        lengths = torch.tensor([8192, 1, 4097, 65], dtype=dtype, device="cuda")
+
+        def call():
+            return art_decode(q, k, v, cache_seqlens=lengths, block_table=table, art=art, num_splits=splits,
+                              return_lse=True, return_stats=True)
+
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for new in ([1000, 8192, 1, 300], [64, 65, 8191, 2]):
+            lengths.copy_(torch.tensor(new))
+            graph.replay()
+            for a, b in zip(captured, call()):
+                assert torch.equal(a, b), (art, splits, new)
 
 
 @pytest.mark.gpu

@@ -120,3 +120,16 @@ def test_an_art_walk_longer_than_the_kernel_supports_is_rejected(monkeypatch):
         art_decode(q, k, v, art=ARTConfig().kernel_params())
     art_decode(q, k, v, art=ARTConfig().kernel_params(), block_size=128)   # 2 blocks of 128
     art_decode(q, k, v)                                              # dense walks have no such limit
+
+
+def test_lengths_are_read_and_checked_outside_a_graph_capture_only():
+    from kernels.art_decode import _check_seqlens
+
+    lengths = torch.tensor([0, 99], dtype=torch.int64)
+    with pytest.raises(ValueError, match=">= 1"):
+        _check_seqlens(lengths, 2, 64, "S", torch.device("cpu"))
+    # inside a capture nothing can be read back: the values pass, the grid is sized for the capacity
+    seqlens, max_len = _check_seqlens(lengths, 2, 64, "S", torch.device("cpu"), read_values=False)
+    assert seqlens.dtype == torch.int32 and seqlens.tolist() == [0, 99] and max_len == 64
+    with pytest.raises(ValueError, match=r"shape \[B\]=\[3\]"):
+        _check_seqlens(lengths, 3, 64, "S", torch.device("cpu"), read_values=False)

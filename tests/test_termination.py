@@ -4,7 +4,7 @@ import torch
 from art_analysis.blockwise import BlockTrace, blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import (ARTConfig, FixedBudget, MassCoverage, Oracle, kernel_walk_steps,
-                                      mma_probe_dims, stop, sweep)
+                                      mma_probe_dims, one_minus_cos, stop, sweep)
 
 
 def hand_trace(outputs, kv_heads=1, steps_per_kv=None, accumulator=None, block_mass=None):
@@ -66,6 +66,21 @@ def test_direction_test_catches_a_rotation_the_scale_test_misses():
     assert stop(trace, no_direction).stop_step.item() == 3  # norms never change
     no_scale = ARTConfig(tau=1e-3, phi=1e-3, patience=3, use_scale=False)
     assert stop(trace, no_scale).stop_step.item() == 6
+
+
+def test_one_minus_cos_keeps_its_precision_near_one_in_fp32():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=gen, dtype=torch.float64)
+    y = x * 1.003 + 1.5e-3 * x.norm(dim=-1, keepdim=True) * torch.randn(256, 128, generator=gen, dtype=torch.float64) / 128 ** 0.5
+    exact = 1 - (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1))              # ~1e-6, in float64
+    x32, y32 = x.float(), y.float()
+    stable = one_minus_cos(x32, y32, x32.norm(dim=-1), y32.norm(dim=-1)).double()
+    quotient = 1 - (x32 * y32).sum(-1) / (x32.norm(dim=-1) * y32.norm(dim=-1))
+    stable_error = ((stable - exact).abs() / exact).max()
+    assert exact.median() < 3e-6 and stable_error < 1e-3
+    assert ((quotient.double() - exact).abs() / exact).median() > 20 * stable_error   # the quotient's cancellation
+    zero = torch.zeros(3, 128)
+    assert one_minus_cos(zero, x32[:3], zero.norm(dim=-1), x32[:3].norm(dim=-1)).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_absolute_scale_and_accumulator_probe():
