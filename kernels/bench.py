@@ -44,7 +44,12 @@ fastest a walk runs, alone on a multiprocessor.  That per-block time is measured
 this step time can meet, whatever the traffic).  Single-split ART rows also report ``model_ms``
 (:func:`walk_model_ms`): the time of their walks (each pair's ``return_stats`` steps) under the fluid model of
 ``kernels.walk_model``, at the lone walk's pace and the row's dense throughput shared evenly, and
-``walk_steps_histogram`` (``{steps: pairs}``), from which it was computed.  Given the simulator's replay
+``walk_steps_histogram`` (``{steps: pairs}``), from which it was computed, and ``walks_dense_ms``: the
+``art_walks_dense`` row, the dense kernel (block 64, one split) reading exactly as many blocks per program as
+the single-split ART walks, in the same launch order and without a monitor (:func:`walk_replay_inputs`; its
+ragged lengths are read by the graph's replays).  ART's time over it is what the monitor and the stopping
+cost on those walks; a time bound below it (``time_bound_below_walks_dense``) is one that the dense kernel
+misses on the same blocks.  Given the simulator's replay
 (the CLI passes it), the run also compares the kernel's single-split walks on each length's distinct sequences
 with the simulator's, at the benchmark's sizes (``stop_agreement``: pairs equal, off by one, the largest
 difference).
@@ -240,6 +245,23 @@ def lone_walk_latency(make_qkv: Callable[[int], tuple], rep_ms: int, rounds: int
             "fixed_us": (times[0] - steps[0] * step_ms) * 1e3}
 
 
+def walk_replay_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       walk_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inputs on which a dense call (block size ``ART_BLOCK_SIZE``, one split) reads exactly as many blocks per
+    program as the ART walks ``walk_blocks [B, Hkv]`` did, in the same launch order: ``(q', k', v', lengths)``
+    with ``q' [B * Hkv, Hq / Hkv, D]``, ``k', v' [B * Hkv, 1, S, D]`` (views of ``q [B, Hq, D]`` and
+    contiguous ``k, v [B, Hkv, S, D]``) and ``lengths [B * Hkv]`` int32, each walk's blocks in tokens.  The
+    dense walk reads each sequence's first blocks, a sink-recency walk block 0 and the last ones: as many
+    bytes, other addresses."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, seqlen = k.shape[1], k.shape[2]
+    if tuple(walk_blocks.shape) != (batch, kv_heads):
+        raise ValueError(f"walk_blocks must be [B, Hkv] = [{batch}, {kv_heads}], got {tuple(walk_blocks.shape)}")
+    lengths = (walk_blocks.flatten().to(torch.int32) * ART_BLOCK_SIZE).clamp(max=seqlen).contiguous()
+    per_head = q.reshape(batch * kv_heads, q_heads // kv_heads, head_dim)
+    return (per_head, *(x.reshape(batch * kv_heads, 1, seqlen, head_dim) for x in (k, v)), lengths)
+
+
 def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: float, flex: bool = False,
                 rounds: int = ROUNDS, lone_walk: dict | None = None) -> list[dict]:
     """Time every implementation on one ``(q, k, v)`` (graph times in ``rounds`` interleaved rounds); one
@@ -260,10 +282,15 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     calls["art_never"] = lambda: art_decode(q, k, v, art=NEVER, num_splits=splits)
     calls["art"] = lambda: art_decode(q, k, v, art=art)
     calls["art_calibrated"] = lambda: art_decode(q, k, v, art=art, longest_stop_steps=longest)
+    q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
+    calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
+                                                  block_size=ART_BLOCK_SIZE, num_splits=1)
     extras = {"art_dense": dict(num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
-                                monitor_runs=leader_can_stop(blocks, splits, NEVER))}
+                                monitor_runs=leader_can_stop(blocks, splits, NEVER)),
+              "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
+                                      loaded_fraction=_loaded_fraction(single_steps, seqlen))}
     walks = {}
     for impl, hint in (("art", None), ("art_calibrated", longest)):
         _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
@@ -298,6 +325,9 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                     row["walk_steps_histogram"] = steps_histogram(walks[row["impl"]])
                     row["model_ms"] = walk_model_ms(walks[row["impl"]], lone_walk, head_dim, k.element_size(),
                                                     nbytes / dense["ms"] / 1e9, num_sms(q.device))
+            if walks[row["impl"]] is not None and "ms" in by_impl["art_walks_dense"]:
+                row["walks_dense_ms"] = by_impl["art_walks_dense"]["ms"]
+                row["time_bound_below_walks_dense"] = row["time_bound_ms"] < row["walks_dense_ms"]
     _speedups(rows)
     return rows
 
@@ -418,6 +448,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
     calibrated_rows = [r for r in rows if r["impl"] == "art_calibrated" and "meets_time_bound" in r]
     modelled = [r["ms"] / r["model_ms"] for r in art_rows if "model_ms" in r]
+    replayed = [r["ms"] / r["walks_dense_ms"] for r in art_rows if "walks_dense_ms" in r]
     return {
         "copy_ceiling_tb_per_s": ceiling,
         "dense_over_best_peer_throughput_b16plus_min": min(dense_ratio, default=None),
@@ -443,6 +474,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_rows_modelled": len(modelled),
         "art_ms_over_model_min": min(modelled, default=None),
         "art_ms_over_model_max": max(modelled, default=None),
+        "art_rows_with_walks_dense": len(replayed),
+        "art_ms_over_walks_dense_min": min(replayed, default=None),
+        "art_ms_over_walks_dense_max": max(replayed, default=None),
+        "art_rows_missing_time_bound_below_walks_dense": sum(
+            not r["meets_time_bound"] and r.get("time_bound_below_walks_dense", False) for r in art_rows),
         **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
         **({"stop_steps_equal": sum(a["equal"] for a in agreement), "stop_steps_pairs": sum(a["pairs"] for a in agreement),
             "stop_steps_max_abs_diff": max(a["max_abs_diff"] for a in agreement)} if agreement else {}),

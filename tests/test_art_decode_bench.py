@@ -97,6 +97,14 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["art_rows_modelled"] == 2
     assert summary["art_ms_over_model_min"] == pytest.approx(1.0)
     assert summary["art_ms_over_model_max"] == pytest.approx(1.25)
+    assert summary["art_rows_with_walks_dense"] == 0 and summary["art_ms_over_walks_dense_min"] is None
+    rows[5].update(walks_dense_ms=0.25, time_bound_below_walks_dense=True)      # misses: counted
+    rows[10].update(walks_dense_ms=0.04, time_bound_below_walks_dense=True)     # meets its bound: not counted
+    summary = summarise(rows, 4.2)
+    assert summary["art_rows_with_walks_dense"] == 2
+    assert summary["art_ms_over_walks_dense_min"] == pytest.approx(0.8)
+    assert summary["art_ms_over_walks_dense_max"] == pytest.approx(1.25)
+    assert summary["art_rows_missing_time_bound_below_walks_dense"] == 1
 
 
 def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
@@ -164,13 +172,13 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["flash_sdpa"] == {**{key: by_impl["art"][key] for key in
                                         ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
                                      "impl": "flash_sdpa", "error": "no kernel for this shape"}
-    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art", "art_calibrated"]
-    # round 1 times each call once in turn (1..6), rounds 2 and 3 repeat the same order (7..12, 13..18)
+    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art", "art_calibrated", "art_walks_dense"]
+    # round 1 times each call once in turn (1..7), rounds 2 and 3 repeat the same order (8..14, 15..21)
     for i, impl in enumerate(timed):
-        assert by_impl[impl]["ms_rounds"] == [1.0 + i, 7.0 + i, 13.0 + i]
-        assert by_impl[impl]["ms"] == 7.0 + i and by_impl[impl]["eager_ms"] == 0.5
-    assert len(order) == 18
-    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 8.0 + 0.010
+        assert by_impl[impl]["ms_rounds"] == [1.0 + i, 8.0 + i, 15.0 + i]
+        assert by_impl[impl]["ms"] == 8.0 + i and by_impl[impl]["eager_ms"] == 0.5
+    assert len(order) == 21
+    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 9.0 + 0.010
     # the calibrated row: the longest walk of a single-split call, passed to the split rule
     _, single = bench.art_decode(q, k, v, art=ARTParams(), num_splits=1, return_stats=True)
     calibrated = by_impl["art_calibrated"]
@@ -179,7 +187,7 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
                                  return_stats=True)
     assert calibrated["num_splits"] == hinted.shape[-1]
     assert calibrated["loaded_fraction"] == bench._loaded_fraction(hinted, 256)
-    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 8.0 + 0.010
+    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 9.0 + 0.010
     # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
     assert by_impl["art"]["leader_steps_max"] == int(steps[..., 0].max()) > 0
@@ -192,9 +200,35 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     walks = steps[..., 0].flatten().tolist()
     assert by_impl["art"]["walk_steps_histogram"] == {str(n): walks.count(n) for n in sorted(set(walks))}
     assert by_impl["art"]["model_ms"] == bench.walk_model_ms(walks, {"step_us": 2.0, "fixed_us": 5.0}, 64, 2,
-                                                             bench.kv_bytes(k) / 8.0 / 1e9, 1)
+                                                             bench.kv_bytes(k) / 9.0 / 1e9, 1)
+    # the dense kernel over the same walks: its loaded fraction is the single-split walks', its time the rows'
+    assert by_impl["art_walks_dense"]["loaded_fraction"] == by_impl["art"]["loaded_fraction"]
+    assert by_impl["art"]["walks_dense_ms"] == by_impl["art_walks_dense"]["ms"] == 14.0
+    assert by_impl["art"]["time_bound_below_walks_dense"] == (by_impl["art"]["time_bound_ms"] < 14.0)
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
-    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 7.0 / 8.0
+    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 8.0 / 9.0
+
+
+def test_walk_replay_reads_each_walks_blocks_as_one_dense_program():
+    from art_analysis.synthetic import synthetic_cache
+    from kernels.art_decode import art_decode
+    from kernels.bench import walk_replay_inputs
+
+    cache = synthetic_cache(batch=2, num_q_heads=6, num_kv_heads=2, seqlen=300, head_dim=64, dtype=torch.float32)
+    walks = torch.tensor([[1, 5], [3, 2]])
+    q, k, v, lengths = walk_replay_inputs(cache.q, cache.k, cache.v, walks)
+    assert lengths.dtype == torch.int32 and lengths.tolist() == [64, 300, 192, 128]     # 5 blocks: the whole 300
+    out, steps = art_decode(q, k, v, cache_seqlens=lengths, block_size=64, num_splits=1, return_stats=True)
+    assert steps.flatten().tolist() == walks.flatten().tolist()
+    out = out.view(2, 6, 64)
+    for b in range(2):
+        for h in range(2):
+            n = int(lengths[2 * b + h])
+            scores = cache.q[b, 3 * h:3 * h + 3] @ cache.k[b, h, :n].T / 8.0
+            expected = torch.softmax(scores, -1) @ cache.v[b, h, :n]
+            torch.testing.assert_close(out[b, 3 * h:3 * h + 3], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"\[B, Hkv\] = \[2, 2\]"):
+        walk_replay_inputs(cache.q, cache.k, cache.v, walks.flatten())
 
 
 def test_walk_model_of_a_launch_counts_64_token_blocks_and_the_resident_programs():

@@ -30,7 +30,7 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
     rows as the whole cache's bytes over their time) plus a panel of ART time / dense time
     against the loaded fraction, with the target ``1.15 x fraction`` and, where the results have
     them, the rows' latency floors (``kernels.bench``: the longest leader walk at the time per block
-    of a lone walk)."""
+    of a lone walk), walk models and the dense kernel's time over the same walks (``walks_dense_ms``)."""
     rows = [r for r in results["rows"] if "ms" in r]
     synthetic = [r for r in rows if r["data"] == "synthetic"]
     lengths = sorted({r["seqlen"] for r in synthetic})
@@ -62,21 +62,20 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
             ax.scatter([r["loaded_fraction"] for r in sub],
                        [r["ms"] / dense[(data, r["batch"], r["seqlen"])] for r in sub], marker=marker, color=color,
                        label=name)
-        floored = [r for r in sub if "latency_floor_ms" in r]
-        if floored:
-            ax.scatter([r["loaded_fraction"] for r in floored],
-                       [r["latency_floor_ms"] / dense[(data, r["batch"], r["seqlen"])] for r in floored],
-                       marker="_", s=80, color=color, label=f"{name}: longest walk x lone step")
-        modelled = [r for r in sub if "model_ms" in r]
-        if modelled:
-            ax.scatter([r["loaded_fraction"] for r in modelled],
-                       [r["model_ms"] / dense[(data, r["batch"], r["seqlen"])] for r in modelled],
-                       marker="x", s=20, color=color, label=f"{name}: walks at the lone pace, shared bandwidth")
+        for key, mark, what in (("latency_floor_ms", dict(marker="_", s=80), "longest walk x lone step"),
+                                ("model_ms", dict(marker="x", s=20), "walks at the lone pace, shared bandwidth"),
+                                ("walks_dense_ms", dict(marker="+", s=40), "dense kernel over the same walks")):
+            marked = [r for r in sub if key in r]
+            if marked:
+                ax.scatter([r["loaded_fraction"] for r in marked],
+                           [r[key] / dense[(data, r["batch"], r["seqlen"])] for r in marked], color=color,
+                           label=f"{name}: {what}", **mark)
     ax.plot([0, 1], [0, 1.15], color="red", linewidth=0.8, linestyle=":", label="target 1.15 x fraction")
     ax.set_xlabel("loaded fraction of the KV blocks")
     ax.set_ylabel("ART time / dense time")
     ax.set_title("ART: time against traffic")
-    ax.legend(fontsize=6, loc="upper left")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the panel: its points reach the top
+    fig.subplots_adjust(wspace=0.3)   # room for the last panel's own y label
     fig.suptitle(f"{results['device']}: decode attention, Hq/Hkv = 32/8, D = 128, bf16 "
                  f"(CUDA-graph do_bench medians, {results['date'][:10]}; ART rows count the whole cache)")
     return save_figure(fig, path)
