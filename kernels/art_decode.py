@@ -46,10 +46,10 @@ synthetic 32/8, B = 8, S = 128k       0.067, 1.6 %                 0.087, 3.7 % 
 synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % (16 splits)
 ====================================  ===========================  ============================
 
-A lone walk is latency-bound (1.21 us per block at D = 128, 0.91 at D = 64; V23), so a monitored walk that
+A lone walk is latency-bound (1.20 us per block at D = 128, 0.94 at D = 64; V26), so a monitored walk that
 must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
-mean stop steps 37-42 on the synthetic caches and 88 on the SmolLM2 layer).  Hence the default
+mean walks of 33-41 blocks on the synthetic caches and 73-89 on the SmolLM2 layer).  Hence the default
 (:func:`choose_num_splits`): when the split-K dense walk would end before the longest monitored walk
 (:func:`dense_walk_ends_first`), ART takes the dense split count, the leader scheme over it: about the
 dense time plus the monitor, and few or no blocks saved, since the leader's range is too short to stop
@@ -138,8 +138,19 @@ scores times ``sm_scale * log2(e)`` minus the running maximum so scaled, one FMA
 step took 611 instead of 526 instructions and 1.27 instead of 1.21 us), and the monitor tests
 are evaluated without division (``d_scale < tau`` as ``|n - n_old| < tau * n_old``, see
 ``art_decode_kernel._probe_update``), so a probe that lands within rounding of a threshold
-can flip a stable/unstable decision; the tests count such stop steps (1 of 1344
-``(b, kv_head)`` on the H200 in bf16, off by one step; none in the CPU interpreter).
+can flip a stable/unstable decision; the tests count such stop steps (1 of 1568
+``(b, kv_head)`` on the H200 in bf16, off by one step; none in the CPU interpreter).  The direction
+change ``1 - cos`` is computed from the change vector, ``(|x - x_old|^2 - (n - n_old)^2) / (2 n n_old)``,
+as in the simulator (``art_analysis.termination.one_minus_cos``): the textbook ``1 - x.y / (n n_old)``
+carries an fp32 rounding error as large as the default ``phi = 1e-6`` and set 19 of 120 stop steps at the
+benchmark's sizes (V26; now 120 of 120 agree).
+
+**CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
+and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths
+(that needs a sync), so it checks their tensor's type, shape and device only, sizes the grid for the
+capacity (``S``, or ``max_pages * page_size``) and passes the lengths on: each replay reads the values of
+that moment, which the caller keeps in ``[1, capacity]`` with valid pages.  Pass ``num_splits`` to fix
+the split count that the capture's capacity would otherwise pick.
 """
 from __future__ import annotations
 
