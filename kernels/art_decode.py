@@ -253,7 +253,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
     # inside a CUDA-graph capture no value can be read back: the lengths and pages go unchecked, and the grid is
     # sized for the capacity, so that every replay may change the lengths in place
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(q.device)
     seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device,
                                       read_values=not capturing)
     if paged and not capturing:
@@ -400,6 +400,11 @@ def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (no value can be read back)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 _ARRIVAL_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -416,7 +421,7 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
     counters = _ARRIVAL_COUNTERS.get(key)
     if counters is None:
         counters = torch.zeros((2, pairs), dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not _capturing(device):
             _ARRIVAL_COUNTERS[key] = counters
     return counters
 
