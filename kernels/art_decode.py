@@ -92,7 +92,8 @@ split, at most ``MAX_SPLITS``, rounded down so that the grid does not spill a fe
 into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured
 11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
 (96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128),
-measured best or tied at every point of the benchmark's split sweep.  Blocks of at most
+measured best or tied at every point of the benchmark's split sweep (on the paged layout, unless a page
+holds such blocks whole, 64: :func:`dense_block_size`).  Blocks of at most
 ``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (4)
 programs per multiprocessor instead, rounded up only where the multiprocessors themselves would
 idle: co-resident programs hide each other's step latency, the monitor's above all (never-stopping
@@ -119,8 +120,20 @@ B = 32, S = 128k: 1.181 ms with pointer loads, 1.125 with them); with ragged len
 program makes its sequence's, a fixed cost per program, so the ART leader scheme (several
 splits with a monitor) then uses them only for ``D = 128`` and splits of at least
 ``LEADER_TMA_MIN_STEPS`` blocks (V8: SmolLM2's 64-dim walks of 6-47 blocks per split were 2-8 %
-slower with them).  The paged layout always uses pointer loads (its rows are gathered through
-the page table).  All three ways of loading give bit-identical results.
+slower with them).  All three ways of loading give bit-identical results.
+
+**Paged loads** (``benchmarks/NOTES-art-decode.md``, V29).  The paged layout uses pointer loads.  The page
+size is a compile-time constant (``PAGE_SIZE``): a block that lies within one page (the page size a
+multiple of the block) takes one page-table entry per step and reads consecutive slots; otherwise each
+token's row is gathered through its own entry, with the page and slot a shift and a mask for pages of a
+power of two.  The software pipeliner stages each step's page-table load ahead of its K/V tiles, which at
+the contiguous layout's stage count left the tiles single-buffered; the paged launches take
+``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them at about the contiguous layout's shared
+memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
+(shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
+B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with :func:`dense_block_size`'s
+default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64 (contiguous
+0.058); every output, lse and step count bit-identical.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one
@@ -171,6 +184,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
+PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
 MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
@@ -179,6 +193,7 @@ DENSE_WALKS_OVERLAPPED = 2        # the split rule's dense walk time: its blocks
 TMA_MAX_BLOCK = 64
 LEADER_TMA_MIN_STEPS = 32
 RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
+PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
@@ -211,7 +226,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
-            ``DENSE_BLOCK_SIZE`` (128).
+            ``DENSE_BLOCK_SIZE`` (128), or ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold
+            128-token blocks whole (:func:`dense_block_size`).
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_num_splits`.
         longest_stop_steps: with ``art`` and the default split count, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
@@ -241,7 +257,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS} in the kernel, got {order!r}")
     if block_size is None:
-        block_size = ART_BLOCK_SIZE if art is not None else DENSE_BLOCK_SIZE
+        block_size = ART_BLOCK_SIZE if art is not None else dense_block_size(k_cache.shape[1] if paged else None)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if art is not None and not isinstance(art, ARTParams):
@@ -295,7 +311,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
                       leader_steps=_split_steps(max_steps, num_splits) if art is not None and num_splits > 1 else None)
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads)
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads,
+                                           paged=paged)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -306,7 +323,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         out, lse, part_out, part_lse, steps, flag, arrivals,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
-        kv_heads, num_splits, k_cache.shape[1] if paged else 1, max_len,
+        kv_heads, num_splits, max_len,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
@@ -317,9 +334,22 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
-        RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows, num_warps=num_warps, num_stages=num_stages)
+        RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, num_warps=num_warps, num_stages=num_stages)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
+
+
+def dense_block_size(page_size: int | None) -> int:
+    """The dense walk's default block size (tokens): ``DENSE_BLOCK_SIZE`` on the contiguous layout
+    (``page_size=None``) and on pages that hold such blocks whole, else ``PAGED_DENSE_BLOCK_SIZE``.  A block
+    within one page takes one page-table entry and reads consecutive rows; across pages its rows are
+    gathered per token, which 64-token blocks bear best (H200, B = 32 / 128 x 32k, the default split count:
+    pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against 4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38
+    against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block 128; ``benchmarks/NOTES-art-decode.md``, V29)."""
+    if page_size is None or page_size % DENSE_BLOCK_SIZE == 0:
+        return DENSE_BLOCK_SIZE
+    return PAGED_DENSE_BLOCK_SIZE
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
@@ -448,7 +478,8 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
     return "kernel_descriptors"
 
 
-def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str) -> tuple[int, int]:
+def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str, *,
+                   paged: bool = False) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
@@ -457,16 +488,23 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
     instead of 1.3 (V9).  ART and dense calls of one shape get the same configuration, so that
-    ``tau = phi = 0`` stays bit-identical to dense."""
+    ``tau = phi = 0`` stays bit-identical to dense.
+
+    The paged layout takes ``PAGE_TABLE_STAGES`` more stages: each K/V tile's rows come from a page-table
+    load, which the software pipeliner stages ahead of the tile, so at the contiguous layout's stage count
+    the tiles are single-buffered (one step of lookahead); two more restore the contiguous layout's
+    double-buffered tiles at about its shared memory (``benchmarks/NOTES-art-decode.md``, V29)."""
     if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
         return 4, 2
     if block_size > TMA_MAX_BLOCK:
-        return 4, 3
-    if head_dim == 64 and loads == "host_descriptors":
-        return 1, 3
-    if block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device):
-        return 2, 2
-    return 2, 3
+        warps, stages = 4, 3
+    elif head_dim == 64 and loads == "host_descriptors":
+        warps, stages = 1, 3
+    elif block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device):
+        warps, stages = 2, 2
+    else:
+        warps, stages = 2, 3
+    return warps, stages + (PAGE_TABLE_STAGES if paged else 0)
 
 
 def _check_tensors(q, k_cache, v_cache, block_table):

@@ -54,7 +54,7 @@ HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this man
 
 
 @triton.jit
-def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
     """Token validity ``[BLOCK_N]``, int64 row offsets of K and V and the first token (int32) of
@@ -66,9 +66,15 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
     pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = pos < seqlen
     if PAGED:
-        page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // page_size, mask=valid, other=0)
-        page = page.to(tl.int64)
-        slot = pos % page_size
+        if PAGE_SIZE % BLOCK_N == 0:
+            # the block lies in one page: one page-table entry per step, its rows consecutive slots
+            first = block.to(tl.int64) * BLOCK_N
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE).to(tl.int64)
+            slot = first % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        else:
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // PAGE_SIZE, mask=valid, other=0)
+            page = page.to(tl.int64)
+            slot = pos % PAGE_SIZE
         k_rows = page * stride_k0 + slot * stride_kt + kv_head * stride_kh
         v_rows = page * stride_v0 + slot * stride_vt + kv_head * stride_vh
     else:
@@ -91,7 +97,7 @@ def _load_tile(src, rows, valid, first_row, b, kv_head,
 
 
 @triton.jit
-def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, page_size,
+def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
                 LOADS: tl.constexpr):
@@ -101,7 +107,7 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
     valid, k_rows, v_rows, first_row = _block_rows(
-        step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, page_size,
+        step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
     k = _load_tile(k_src, k_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     v = _load_tile(v_src, v_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
@@ -127,13 +133,13 @@ def _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION: tl.const
 
 @triton.jit
 def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+                PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
         valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                                  page_size, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                  PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                                   BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
         m, l, acc = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
     return m, l, acc
@@ -224,7 +230,7 @@ def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr, arrivals_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, page_size, uniform_len,
+        num_kv_heads, num_splits, uniform_len,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -233,7 +239,7 @@ def art_decode_split_kernel(
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-        RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr):
+        RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
@@ -241,7 +247,9 @@ def art_decode_split_kernel(
     (contiguous layout only for descriptors): ``"pointers"`` (``k_ptr``, ``v_ptr`` base pointers,
     masked), ``"kernel_descriptors"`` (per-sequence ``[seqlen, D]`` descriptors made here) or
     ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
-    launcher, uniform lengths only).  Descriptor rows past the length read as zeros.  ``PROBE_ROWS``: the
+    launcher, uniform lengths only).  Descriptor rows past the length read as zeros.  ``PAGE_SIZE``: tokens
+    per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
+    of ``BLOCK_N``) takes one page-table entry per step, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
     heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""
@@ -318,7 +326,7 @@ def art_decode_split_kernel(
             if is_leader or not SINGLE_SPLIT:
                 for t in tl.range(step, chunk_end):
                     valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                              stride_table_b, page_size, stride_k0, stride_kh, stride_kt, stride_v0,
+                                              stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
                                               stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
                     m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
                     norm, count, done = _probe_update(
@@ -331,7 +339,7 @@ def art_decode_split_kernel(
                 group_done = tl.min(tl.where(probe_valid, done, 1), 0).to(group_done.dtype)
             else:
                 m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                                        table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
+                                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
                                         stride_v0, stride_vh, stride_vt, score_log2,
                                         BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
             visited += chunk_end - step
@@ -345,7 +353,7 @@ def art_decode_split_kernel(
             go = (step < end) & (group_done == 0) & (converged == 0)
     else:
         m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                                table_ptr, stride_table_b, page_size, stride_k0, stride_kh, stride_kt,
+                                table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
                                 stride_v0, stride_vh, stride_vt, score_log2,
                                 BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
         visited = tl.maximum(end - start, 0)

@@ -28,10 +28,14 @@ q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
 pages = torch.randn(2, 200, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
 table = torch.randperm(200, device="cuda", dtype=torch.int32)[:150].view(3, 50)
 lengths = torch.tensor([1, 799, 513], device="cuda", dtype=torch.int32)
+table64 = torch.randperm(50, device="cuda", dtype=torch.int32)[:39].view(3, 13)
 kv = torch.randn(2, 3, 8, 799, 128, device="cuda", dtype=torch.bfloat16)
 for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
     for splits in (1, 4):
         out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=art, num_splits=splits)
+        # pages of 64 tokens: whole 64-token blocks per page, one page-table entry per block
+        out = art_decode(q, pages[0].view(50, 64, 8, 128), pages[1].view(50, 64, 8, 128), cache_seqlens=lengths,
+                         block_table=table64, art=art, num_splits=splits, block_size=64)
         # contiguous 64-token blocks: descriptors made in the kernel (one split), pointer loads (leader scheme)
         out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=art, num_splits=splits, block_size=64)
         # uniform lengths: one scalar length, descriptors made on the host and bounded at the length

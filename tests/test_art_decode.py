@@ -327,7 +327,9 @@ def test_ragged_lengths_and_shuffled_pages(art):
         expected, _ = simulator_stop(q, k, v, lengths, art, "sink_recency")
         _, single_steps = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1, return_stats=True)
         assert torch.equal(single_steps[..., 0].long(), expected)
-    for page_size in (1, 16):
+    # pages smaller than a block (gathered per token), a size that neither divides nor is divided by the block,
+    # and pages holding whole blocks (one page-table entry per block), a power of two and not
+    for page_size in (1, 16, 48, 64, 192):
         k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params,
                            num_splits=2, block_size=64, return_lse=True, return_stats=True)
@@ -400,6 +402,22 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
     assert loads(k128, v128, paged=False, block_size=64, uniform=False, leader_steps=minimum) == "kernel_descriptors"
     assert loads(k128, v128, paged=False, block_size=64, uniform=False, leader_steps=minimum - 1) == "pointers"
     assert loads(k128, v128, paged=False, block_size=64, uniform=True, leader_steps=minimum - 1) == "host_descriptors"
+
+
+def test_dense_default_block_is_128_unless_pages_split_such_blocks(record_decode_launches):
+    recorded = record_decode_launches()
+    q, k, v = synthetic_inputs(2, 4, 2, 512, 64, torch.float16, CPU)
+    calls = [dict(), dict(art=ARTConfig().kernel_params())]
+    for page_size in (16, 64, 128, 256, 192):
+        k_pages, v_pages, table = to_paged(k, v, page_size)
+        calls.append(dict(k=k_pages, v=v_pages, block_table=table))
+    for call in calls:
+        layout = dict(k_cache=call.pop("k", k), v_cache=call.pop("v", v))
+        art_decode(q, **layout, **call)
+    blocks = [launch.kwargs["BLOCK_N"] for launch in recorded.calls]
+    pages = [launch.kwargs["PAGE_SIZE"] for launch in recorded.calls]
+    assert blocks == [128, 64, 64, 64, 128, 128, 64]
+    assert pages == [1, 1, 16, 64, 128, 256, 192]
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
@@ -492,7 +510,7 @@ def test_gpu_ragged_paged_layouts_agree():
     q, k, v = synthetic_inputs(5, 32, 8, 20000, 128, torch.bfloat16, _cuda(), seed=2)
     contiguous = art_decode(q, k, v, cache_seqlens=lengths, return_lse=True)
     assert_within_flash_oracle(contiguous[0], q, k, v, lengths)
-    for page_size in (1, 16, 256):
+    for page_size in (1, 16, 48, 128, 256):
         k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
         for a, b in zip(paged, contiguous):

@@ -259,6 +259,10 @@ def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid
     assert config(cuda, 32, 128, 4096, host) == (2, 3)
     assert config(cuda, 128, 128, 4096, "pointers") == (4, 3)
     assert config(torch.device("cpu"), 64, 128, 4096, host) == (4, 2)
+    # paged: two more stages, for the page-table loads the pipeliner stages ahead of the tiles
+    assert config(cuda, 128, 128, 4096, "pointers", paged=True) == (4, 5)
+    assert config(cuda, 64, 128, 3 * 132 + 1, "pointers", paged=True) == (2, 4)
+    assert config(cuda, 64, 64, 8, "pointers", paged=True) == (2, 5)
 
 
 def test_stop_agreement_counts_the_walks_equal_to_the_simulators():
