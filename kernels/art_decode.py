@@ -122,18 +122,20 @@ splits with a monitor) then uses them only for ``D = 128`` and splits of at leas
 ``LEADER_TMA_MIN_STEPS`` blocks (V8: SmolLM2's 64-dim walks of 6-47 blocks per split were 2-8 %
 slower with them).  All three ways of loading give bit-identical results.
 
-**Paged loads** (``benchmarks/NOTES-art-decode.md``, V29).  The paged layout uses pointer loads.  The page
-size is a compile-time constant (``PAGE_SIZE``): a block that lies within one page (the page size a
-multiple of the block) takes one page-table entry per step and reads consecutive slots; otherwise each
-token's row is gathered through its own entry, with the page and slot a shift and a mask for pages of a
-power of two.  The software pipeliner stages each step's page-table load ahead of its K/V tiles, which at
+**Paged loads** (``benchmarks/NOTES-art-decode.md``, V29).  The page size is a compile-time constant
+(``PAGE_SIZE``).  A block that lies within one page (the page size a multiple of the block) takes one
+page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read its slots through
+descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
+and zeroed in V so that whatever a page holds there cannot reach the output), larger ones through pointer
+loads of consecutive slots.  Otherwise each token's row is gathered through its own entry, with the page
+and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's page-table load ahead of its K/V tiles, which at
 the contiguous layout's stage count left the tiles single-buffered; the paged launches take
 ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them at about the contiguous layout's shared
 memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
 B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with :func:`dense_block_size`'s
-default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64 (contiguous
-0.058); every output, lse and step count bit-identical.
+default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64, and 0.087 with
+the page descriptors (contiguous 0.058); every output, lse and step count bit-identical.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one
@@ -175,7 +177,7 @@ import triton
 
 from .art_decode_kernel import HORIZON_CAP, art_decode_split_kernel
 from .art_params import ARTParams
-from .descriptors import descriptor_ready, host_descriptor, prepare_descriptors
+from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 
 ORDERS = ("sequential", "sink_recency")
@@ -318,6 +320,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     k_arg, v_arg = k_cache, v_cache
     if loads == "host_descriptors":
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
+    elif loads == "page_descriptors":
+        k_arg, v_arg = (page_descriptor(x, block_size) for x in (k_cache, v_cache))
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, flag, arrivals,
@@ -466,10 +470,13 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
     lengths each program makes its sequence's (``"kernel_descriptors"``), a fixed cost per program that
     short walks do not repay, so in the ART leader scheme (``leader_steps``: blocks per split, ``None``
     otherwise) only for ``D = 128`` and at least ``LEADER_TMA_MIN_STEPS`` blocks per split
-    (``benchmarks/NOTES-art-decode.md``, V8)."""
-    if (paged or block_size > TMA_MAX_BLOCK
-            or not (descriptor_ready(k_cache) and descriptor_ready(v_cache))):
+    (``benchmarks/NOTES-art-decode.md``, V8).  On the paged layout, descriptors made on the host
+    (``"page_descriptors"``) when each block lies within one page (``page_size`` a multiple of the block),
+    else pointer loads (V29)."""
+    if block_size > TMA_MAX_BLOCK or not (descriptor_ready(k_cache) and descriptor_ready(v_cache)):
         return "pointers"
+    if paged:
+        return "page_descriptors" if k_cache.shape[1] % block_size == 0 else "pointers"
     if uniform:
         return "host_descriptors"
     if leader_steps is not None and (k_cache.shape[-1] != 128 or leader_steps < LEADER_TMA_MIN_STEPS):

@@ -57,20 +57,25 @@ HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this man
 def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
-    """Token validity ``[BLOCK_N]``, int64 row offsets of K and V and the first token (int32) of
-    traversal step ``step``."""
+    """Token validity ``[BLOCK_N]``, int64 row offsets of K and V, and a descriptor's coordinates of traversal
+    step ``step``: the leading index (``b``, or the page of a block within one page) and the first row (int32:
+    the block's first token, or its first slot in the page)."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
         block = step
     pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = pos < seqlen
+    lead = b
+    first_row = (block * BLOCK_N).to(tl.int32)
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:
             # the block lies in one page: one page-table entry per step, its rows consecutive slots
             first = block.to(tl.int64) * BLOCK_N
-            page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE).to(tl.int64)
-            slot = first % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            lead = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE).to(tl.int32)
+            first_row = (first % PAGE_SIZE).to(tl.int32)
+            page = lead.to(tl.int64)
+            slot = first_row + tl.arange(0, BLOCK_N).to(tl.int64)
         else:
             page = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + pos // PAGE_SIZE, mask=valid, other=0)
             page = page.to(tl.int64)
@@ -80,15 +85,18 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
     else:
         k_rows = b.to(tl.int64) * stride_k0 + kv_head * stride_kh + pos * stride_kt
         v_rows = b.to(tl.int64) * stride_v0 + kv_head * stride_vh + pos * stride_vt
-    return valid, k_rows, v_rows, (block * BLOCK_N).to(tl.int32)
+    return valid, k_rows, v_rows, lead, first_row
 
 
 @triton.jit
-def _load_tile(src, rows, valid, first_row, b, kv_head,
+def _load_tile(src, rows, valid, lead, first_row, kv_head,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, LOADS: tl.constexpr):
-    """The ``[BLOCK_N, D]`` K or V tile of one step (``LOADS``: see ``art_decode_split_kernel``)."""
+    """The ``[BLOCK_N, D]`` K or V tile of one step (``LOADS``: see ``art_decode_split_kernel``; ``lead``,
+    ``first_row``: ``_block_rows``' descriptor coordinates)."""
     if LOADS == "host_descriptors":
-        tile = src.load([b, kv_head, first_row, 0]).reshape(BLOCK_N, HEAD_DIM)
+        tile = src.load([lead, kv_head, first_row, 0]).reshape(BLOCK_N, HEAD_DIM)
+    elif LOADS == "page_descriptors":
+        tile = src.load([lead, first_row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
     elif LOADS == "kernel_descriptors":
         tile = src.load([first_row, 0])
     else:
@@ -106,11 +114,15 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
     past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
-    valid, k_rows, v_rows, first_row = _block_rows(
+    valid, k_rows, v_rows, lead, first_row = _block_rows(
         step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
-    k = _load_tile(k_src, k_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
-    v = _load_tile(v_src, v_rows, valid, first_row, b, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+    k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+    v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+    if LOADS == "page_descriptors":
+        # a page's slots past the length are read, and may hold anything: zero them in V (their scores are
+        # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced
+        v = tl.where(valid[:, None], v, 0.0)
     return valid, k, v
 
 
@@ -247,7 +259,9 @@ def art_decode_split_kernel(
     (contiguous layout only for descriptors): ``"pointers"`` (``k_ptr``, ``v_ptr`` base pointers,
     masked), ``"kernel_descriptors"`` (per-sequence ``[seqlen, D]`` descriptors made here) or
     ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
-    launcher, uniform lengths only).  Descriptor rows past the length read as zeros.  ``PAGE_SIZE``: tokens
+    launcher, uniform lengths only) or ``"page_descriptors"`` (paged layout, pages holding whole blocks:
+    ``[num_pages, page_size, Hkv, D]`` descriptors made by the launcher, one bulk copy of a block's slots).
+    Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V.  ``PAGE_SIZE``: tokens
     per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
     of ``BLOCK_N``) takes one page-table entry per step, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's

@@ -33,6 +33,13 @@ def host_descriptor(x: torch.Tensor, block_rows: int, rows: int | None = None) -
     return TensorDescriptor(x, shape=shape, strides=list(x.stride()), block_shape=[1, 1, block_rows, x.shape[-1]])
 
 
+def page_descriptor(pages: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A descriptor made on the host of a paged cache ``pages [num_pages, page_size, Hkv, D]`` reading
+    ``[1, block_rows, 1, D]`` blocks: one head's consecutive slots of one page."""
+    return TensorDescriptor(pages, shape=list(pages.shape), strides=list(pages.stride()),
+                            block_shape=[1, block_rows, 1, pages.shape[-1]])
+
+
 def prepare_descriptors(device: torch.device) -> None:
     """Make kernels that build descriptors launchable on ``device`` (see the module docstring)."""
     if device.type == "cuda":

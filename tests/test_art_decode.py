@@ -329,8 +329,11 @@ def test_ragged_lengths_and_shuffled_pages(art):
         assert torch.equal(single_steps[..., 0].long(), expected)
     # pages smaller than a block (gathered per token), a size that neither divides nor is divided by the block,
     # and pages holding whole blocks (one page-table entry per block), a power of two and not
+    # slots past a sequence's length hold NaN: a page read whole must not let them reach the output
+    past = torch.arange(k.shape[2])[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
     for page_size in (1, 16, 48, 64, 192):
-        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+        k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params,
                            num_splits=2, block_size=64, return_lse=True, return_stats=True)
         for a, b in zip(paged, (contiguous, lse, steps)):
@@ -392,6 +395,11 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
         assert loads(k, v, paged=False, block_size=64, uniform=uniform, leader_steps=None) == kind
         assert loads(k, v, paged=False, block_size=128, uniform=uniform, leader_steps=None) == "pointers"
         assert loads(k, v, paged=True, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
+        # pages holding whole blocks: descriptors of the page pool, else pointer loads
+        pages = torch.zeros(4, 64, 2, 64, dtype=torch.float16)
+        assert loads(pages, pages, paged=True, block_size=64, uniform=uniform, leader_steps=None) == "page_descriptors"
+        assert loads(pages, pages, paged=True, block_size=32, uniform=uniform, leader_steps=None) == "page_descriptors"
+        assert loads(pages, pages, paged=True, block_size=128, uniform=uniform, leader_steps=None) == "pointers"
         misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
         assert loads(misaligned, v, paged=False, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
     # the leader scheme builds descriptors in the kernel only for D = 128 and long enough splits
@@ -508,12 +516,23 @@ def test_gpu_zero_thresholds_bit_identical_and_fully_written(monkeypatch):
 def test_gpu_ragged_paged_layouts_agree():
     lengths = torch.tensor([1, 63, 65, 1027, 20000], dtype=torch.int32, device="cuda")
     q, k, v = synthetic_inputs(5, 32, 8, 20000, 128, torch.bfloat16, _cuda(), seed=2)
-    contiguous = art_decode(q, k, v, cache_seqlens=lengths, return_lse=True)
-    assert_within_flash_oracle(contiguous[0], q, k, v, lengths)
-    for page_size in (1, 16, 48, 128, 256):
-        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+    # the dense default block depends on the page size (dense_block_size): compare at the same block
+    contiguous = {block: art_decode(q, k, v, cache_seqlens=lengths, block_size=block, return_lse=True)
+                  for block in (64, 128)}
+    assert_within_flash_oracle(contiguous[128][0], q, k, v, lengths)
+    art = ARTConfig().kernel_params()
+    monitored = art_decode(q, k, v, cache_seqlens=lengths, art=art, num_splits=1, return_lse=True, return_stats=True)
+    # slots past a sequence's length hold NaN: pages read whole (descriptors) must keep them out of the output
+    past = torch.arange(k.shape[2], device=k.device)[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
+    for page_size in (1, 16, 48, 64, 128, 256):
+        k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
-        for a, b in zip(paged, contiguous):
+        for a, b in zip(paged, contiguous[art_decode_module.dense_block_size(page_size)]):
+            assert torch.equal(a, b)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=art, num_splits=1,
+                           return_lse=True, return_stats=True)
+        for a, b in zip(paged, monitored):
             assert torch.equal(a, b)
 
 
