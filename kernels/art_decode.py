@@ -128,10 +128,10 @@ page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read 
 descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
 and zeroed in V so that whatever a page holds there cannot reach the output), larger ones through pointer
 loads of consecutive slots.  Otherwise each token's row is gathered through its own entry, with the page
-and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's page-table load ahead of its K/V tiles, which at
-the contiguous layout's stage count left the tiles single-buffered; the paged launches take
-``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them at about the contiguous layout's shared
-memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
+and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's
+page-table load ahead of its K/V tiles, which at the contiguous layout's stage count left the tiles
+single-buffered; the paged launches take ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them
+at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
 B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with :func:`dense_block_size`'s
 default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64, and 0.087 with

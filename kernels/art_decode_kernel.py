@@ -64,14 +64,14 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
         block = step
-    pos = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = block.to(tl.int64) * BLOCK_N
+    pos = first + tl.arange(0, BLOCK_N)
     valid = pos < seqlen
     lead = b
-    first_row = (block * BLOCK_N).to(tl.int32)
+    first_row = first.to(tl.int32)
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:
             # the block lies in one page: one page-table entry per step, its rows consecutive slots
-            first = block.to(tl.int64) * BLOCK_N
             lead = tl.load(table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE).to(tl.int32)
             first_row = (first % PAGE_SIZE).to(tl.int32)
             page = lead.to(tl.int64)
