@@ -16,7 +16,7 @@ computed.  ``art=None`` compiles the monitor out (the dense baseline).
 log-sum-exp merge.  Split 0, the *leader*, holds the head of the order (the sink and the
 newest blocks), and its monitor runs on exactly the state a single-split kernel would hold, so
 its stop step is the simulator's.  When it stops it raises a per-``(b, kv_head)`` *converged*
-flag in global memory; the *followers* (splits ``1..``) poll the flag between chunks of
+flag in global memory; the *followers* (splits ``1..``) poll the flag after each chunk of
 ``ART_CHUNK`` blocks and exit, and the combine keeps the leader alone, so the output is the
 simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
 end of its range without converging, the followers have covered the rest and the combine
@@ -32,7 +32,11 @@ monitored step as the leader, with a patience out of reach (their monitor never 
 and is discarded): in a walk that does not stop, every program then takes the same time per
 block and shares the bandwidth evenly, where a leader that alone ran the monitor ended last
 (``benchmarks/NOTES-art-decode.md``, V13: never-stopping overhead at B = 8, 4 splits +6.0 % ->
-+1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  The leader's chunks end at its earliest possible
++1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  No program reads the flag before its first chunk: every
+program of a launch would wait for that atomic before its first loads, and in the one wave the scheme is
+sized to, a leader cannot stop before its followers have started (a follower that starts later, in a grid
+of several waves, reads one chunk before it sees the flag; V30: never-stopping SmolLM2 B = 32, 8k at 5
+splits 0.0641 -> 0.0639 ms, +1.7 -> +1.3 % over the dense walk).  The leader's chunks end at its earliest possible
 stop (``kernels.art_decode_kernel``), so it stops, and raises the flag, at its stop step exactly
 rather than at the end of a fixed chunk (V14: leader scheme at B = 1, 128k 0.109 -> 0.088 ms,
 at B = 8, 128k 0.111 -> 0.087).  Measured on the H200 (V14 full run; ``ARTConfig()``
@@ -126,7 +130,8 @@ slower with them).  All three ways of loading give bit-identical results.
 (``PAGE_SIZE``).  A block that lies within one page (the page size a multiple of the block) takes one
 page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read its slots through
 descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
-and zeroed in V so that whatever a page holds there cannot reach the output), larger ones through pointer
+and zeroed in V so that whatever a page holds there cannot reach the output: only in the block that holds the
+last token, which the others branch around, V30), larger ones through pointer
 loads of consecutive slots.  Otherwise each token's row is gathered through its own entry, with the page
 and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's
 page-table load ahead of its K/V tiles, which at the contiguous layout's stage count left the tiles
@@ -135,7 +140,10 @@ at about the contiguous layout's shared memory.  Against the former runtime page
 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
 B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with :func:`dense_block_size`'s
 default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64, and 0.087 with
-the page descriptors (contiguous 0.058); every output, lse and step count bit-identical.
+the page descriptors (contiguous 0.058); every output, lse and step count bit-identical.  Zeroing V only in
+the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone monitored step on pages of 64
+/ 256 tokens 2.00 / 1.83 -> 1.68 / 1.63 us (contiguous 1.20), ART at 8 x 32k on pages of 64 0.088 -> 0.077 ms
+(contiguous 0.059), bit-identical.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one

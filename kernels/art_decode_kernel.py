@@ -29,7 +29,7 @@ there, with the state of its stop step, having computed and loaded no block past
 raises the ``(b, kv_head)`` *converged* flag in global memory.  Follower splits run the same
 monitored step with a patience out of reach (their monitor never stops them and is discarded, so
 that in a walk that does not stop every program takes the same time per block), in chunks of
-``ART_CHUNK`` steps, poll that flag between chunks and stop too; the combine then ignores them
+``ART_CHUNK`` steps, poll that flag after each chunk and stop too; the combine then ignores them
 (see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
@@ -57,9 +57,9 @@ HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this man
 def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
-    """Token validity ``[BLOCK_N]``, int64 row offsets of K and V, and a descriptor's coordinates of traversal
-    step ``step``: the leading index (``b``, or the page of a block within one page) and the first row (int32:
-    the block's first token, or its first slot in the page)."""
+    """Token validity ``[BLOCK_N]``, int64 row offsets of K and V, a descriptor's coordinates of traversal
+    step ``step`` (the leading index: ``b``, or the page of a block within one page; the first row, int32: the
+    block's first token, or its first slot in the page) and whether the block ends past the length."""
     if SINK_RECENCY:
         block = tl.where(step == 0, 0, num_blocks - step)
     else:
@@ -85,7 +85,7 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
     else:
         k_rows = b.to(tl.int64) * stride_k0 + kv_head * stride_kh + pos * stride_kt
         v_rows = b.to(tl.int64) * stride_v0 + kv_head * stride_vh + pos * stride_vt
-    return valid, k_rows, v_rows, lead, first_row
+    return valid, k_rows, v_rows, lead, first_row, first + BLOCK_N > seqlen
 
 
 @triton.jit
@@ -114,15 +114,18 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
     past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
-    valid, k_rows, v_rows, lead, first_row = _block_rows(
+    valid, k_rows, v_rows, lead, first_row, ends_past_length = _block_rows(
         step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
     k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
     if LOADS == "page_descriptors":
         # a page's slots past the length are read, and may hold anything: zero them in V (their scores are
-        # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced
-        v = tl.where(valid[:, None], v, 0.0)
+        # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced.
+        # Only the block holding the last token has such slots: the others branch around the select, which
+        # takes V from shared memory to registers and back (about 340 instructions per step at D = 128).
+        if ends_past_length:
+            v = tl.where(valid[:, None], v, 0.0)
     return valid, k, v
 
 
@@ -317,11 +320,11 @@ def art_decode_split_kernel(
         done = tl.zeros([PROBE_ROWS], tl.int32)
         group_done = start * 0
         step = start
-        if SINGLE_SPLIT:
-            converged = 0
-        else:
-            converged = _read_flag(flag_ptr + bh)
-        go = (step < end) & (converged == 0)
+        # No flag read before the first chunk: its loads would wait for the atomic's round trip, in every
+        # program at once at the start of a launch, while a leader cannot have stopped before its followers start
+        # in the one wave that the launcher sizes the scheme to (a follower that starts later reads one chunk).
+        converged = split * 0
+        go = step < end
         while go:
             # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
             # not done needs `patience - count` more stable steps, counted from `first_counted`), so its stop
