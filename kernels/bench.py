@@ -18,7 +18,11 @@ with a cold L2: do_bench flushes it):
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
-  split counts and block sizes 64 / 128.
+  split counts and block sizes 64 / 128;
+* the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
+  ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
+  (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
+  the contiguous ones bit for bit (summarised by :func:`paged_summary`).
 
 Every row's ``ms`` is the median GPU time of a CUDA-graph replay of the call (``eager_ms``: the
 plain call, which also pays the host-side launch cost of the Python launcher).  The graph times of
@@ -56,7 +60,7 @@ difference).
 
 ``run(out_dir, quick, art=..., make_cache=..., capture=..., replay=...)`` writes
 ``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, the stop agreement,
-every row, summary).
+every row, the split study, the paged rows, summary).
 """
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_
                          choose_num_splits, dense_walk_ends_first, leader_can_stop, leader_splits)
 from .art_params import ARTParams
 from .device_info import num_sms
+from .paged_cache import to_paged
 from .results_io import write_json_atomic
 from .walk_model import shared_bandwidth_ms
 
@@ -90,6 +95,9 @@ CAPTURE_BATCHES = (1, 32, 128)
 FLEX_CASES = ((1, 32768), (8, 32768), (32, 32768))
 SPLIT_STUDY = ((1, 32768), (1, 131072), (8, 131072), (32, 32768), (64, 32768))
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
+PAGED_CASES = ((8, 32768), (32, 32768), (128, 8192))
+QUICK_PAGED_CASES = ((32, 8192),)
+PAGE_SIZES = (16, 64)
 LONE_WALK_LENGTHS = (8192, 32768)
 ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
@@ -409,6 +417,56 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     return rows
 
 
+def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds: int = ROUNDS) -> list[dict]:
+    """Dense (``art=None``) and ART calls at the launcher's defaults on the contiguous cache ``k, v [B, Hkv, S, D]``
+    and on shuffled page pools of it (``kernels.paged_cache.to_paged``, each of ``PAGE_SIZES``), timed in
+    interleaved rounds of CUDA-graph medians.  One row per layout and call: ``ms``, TB/s (the cache's bytes read
+    once), the fraction of the copy ceiling and ``over_contiguous``, its time over the same call's on the
+    contiguous cache; ART rows add the loaded fraction and ``equals_contiguous``: output and steps bit-identical to
+    the contiguous call's (the same walk over the same values, so they must be)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, seqlen = k.shape[1], k.shape[2]
+    nbytes = kv_bytes(k)
+    base = dict(data="synthetic", batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    layouts = {None: (k, v, None), **{size: to_paged(k, v, size, seed=size) for size in PAGE_SIZES}}
+    calls, walks = {}, {}
+    for size, (k_cache, v_cache, table) in layouts.items():
+        for impl, rule in (("art_dense", None), ("art", art)):
+            calls[(impl, size)] = lambda kc=k_cache, vc=v_cache, t=table, r=rule: art_decode(q, kc, vc, block_table=t,
+                                                                                             art=r)
+        walks[size] = art_decode(q, k_cache, v_cache, block_table=table, art=art, return_stats=True)
+    results = _time_interleaved(calls, rep_ms, rounds)
+    rows = []
+    for (impl, size), result in results.items():
+        row = {**base, "impl": impl, "page_size": size, **result}
+        if "ms" in row:
+            row.update(tb_per_s=nbytes / row["ms"] / 1e9, fraction_of_copy_ceiling=nbytes / row["ms"] / 1e9 / ceiling)
+            contiguous = results[(impl, None)]
+            if "ms" in contiguous:
+                row["over_contiguous"] = row["ms"] / contiguous["ms"]
+        if impl == "art":
+            out, steps = walks[size]
+            row.update(loaded_fraction=_loaded_fraction(steps, seqlen), num_splits=steps.shape[-1],
+                       equals_contiguous=bool(torch.equal(out, walks[None][0]) and torch.equal(steps, walks[None][1])))
+        rows.append(row)
+    return rows
+
+
+def paged_summary(rows: list[dict]) -> dict:
+    """The paged rows (:func:`bench_paged`) in a few numbers: per call, the largest and smallest time over the
+    contiguous layout's, and whether every ART walk equalled the contiguous one."""
+    summary = {}
+    for impl in ("art_dense", "art"):
+        ratios = [r["over_contiguous"] for r in rows if r["impl"] == impl and r["page_size"] and "over_contiguous" in r]
+        if ratios:
+            summary[f"paged_{impl}_over_contiguous_max"] = max(ratios)
+            summary[f"paged_{impl}_over_contiguous_min"] = min(ratios)
+    walks = [r["equals_contiguous"] for r in rows if r["impl"] == "art" and r["page_size"]]
+    if walks:
+        summary["paged_art_walks_equal_contiguous"] = f"{sum(walks)}/{len(walks)}"
+    return summary
+
+
 def round_spread(row: dict) -> float:
     """How far a row's rounds spread: ``max / min - 1`` of its ``ms_rounds`` (0 with fewer than two)."""
     rounds = row.get("ms_rounds") or []
@@ -551,7 +609,15 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         del q, k, v
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
-    payload.update(rows=rows, split_study=study, complete=True,
-                   summary=summarise(rows, ceiling, payload["lone_walk"], payload.get("stop_agreement")))
+    paged = []
+    for batch, seqlen in tqdm(QUICK_PAGED_CASES if quick else PAGED_CASES, desc="paged layout"):
+        q, k, v = tile_batch(structured_sequences(make_cache, seqlen, device), batch)
+        paged += bench_paged(q, k, v, art=art, rep_ms=rep_ms, ceiling=ceiling)
+        del q, k, v
+        torch.cuda.empty_cache()
+        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "paged": paged, "complete": False})
+    payload.update(rows=rows, split_study=study, paged=paged, complete=True,
+                   summary={**summarise(rows, ceiling, payload["lone_walk"], payload.get("stop_agreement")),
+                            **paged_summary(paged)})
     write_json_atomic(path, payload)
     return payload

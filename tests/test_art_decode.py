@@ -20,6 +20,7 @@ from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
 from kernels.art_decode import art_decode
+from kernels.paged_cache import to_paged
 
 CPU = torch.device("cpu")
 CAPTURED_LAYER = Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors"
@@ -70,27 +71,6 @@ def assert_within_flash_oracle(out, q, k, v, seqlens=None):
     err = (out.double() - ref).abs().max().item()
     bound = 3 * (same.double() - ref).abs().max().item() + 1e-5
     assert err <= bound, f"kernel error {err:.3e} exceeds the FlashAttention oracle bound {bound:.3e}"
-
-
-def to_paged(k, v, page_size, seed=0):
-    """Scatter a contiguous cache into shuffled pages.
-
-    Returns ``k_pages, v_pages [num_pages, page_size, Hkv, D]`` (spare pages hold garbage) and
-    ``block_table [B, max_pages]`` int32.
-    """
-    batch, kv_heads, seqlen, dim = k.shape
-    per_seq = math.ceil(seqlen / page_size)
-    num_pages = batch * per_seq + 3
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(num_pages, generator=gen)[:batch * per_seq].view(batch, per_seq)
-    pad = per_seq * page_size - seqlen
-    pages = []
-    for x in (k, v):
-        store = torch.randn(num_pages, page_size, kv_heads, dim, generator=gen).to(device=x.device, dtype=x.dtype)
-        blocks = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, kv_heads, per_seq, page_size, dim)
-        store[table.flatten().to(x.device)] = blocks.permute(0, 2, 3, 1, 4).reshape(-1, page_size, kv_heads, dim)
-        pages.append(store)
-    return pages[0], pages[1], table.to(device=k.device, dtype=torch.int32)
 
 
 def simulator_stop(q, k, v, seqlens, config, order, block_size=64):

@@ -294,3 +294,55 @@ def test_capture_queries_reads_the_decode_steps_of_a_captured_layer():
     from kernels.bench import capture_queries
 
     assert capture_queries(Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors") == 8
+
+
+def test_paged_rows_time_each_layout_against_the_contiguous_one(monkeypatch):
+    import itertools
+
+    import kernels.bench as bench
+    from art_analysis.synthetic import synthetic_cache
+
+    cache = synthetic_cache(batch=2, num_q_heads=4, num_kv_heads=2, seqlen=256, head_dim=64, dtype=torch.float16)
+    q, k, v = cache.q, cache.k, cache.v
+    clock = itertools.count(1)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: float(next(clock)))
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    rows = bench.bench_paged(q, k, v, art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=1)
+    by_key = {(r["impl"], r["page_size"]): r for r in rows}
+    assert list(by_key) == [("art_dense", None), ("art", None), ("art_dense", 16), ("art", 16),
+                            ("art_dense", 64), ("art", 64)]
+    # one round: the calls are timed in that order, 1..6
+    for i, key in enumerate(by_key):
+        assert by_key[key]["ms"] == 1.0 + i
+        assert by_key[key]["tb_per_s"] == bench.kv_bytes(k) / (1.0 + i) / 1e9
+    assert by_key[("art_dense", 64)]["over_contiguous"] == 5.0 / 1.0
+    assert by_key[("art", 16)]["over_contiguous"] == 4.0 / 2.0
+    _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
+    for size in (None, 16, 64):
+        assert by_key[("art", size)]["loaded_fraction"] == bench._loaded_fraction(steps, 256)
+        assert by_key[("art", size)]["equals_contiguous"] is True
+    assert bench.paged_summary(rows) == {
+        "paged_art_dense_over_contiguous_max": 5.0, "paged_art_dense_over_contiguous_min": 3.0,
+        "paged_art_over_contiguous_max": 3.0, "paged_art_over_contiguous_min": 2.0,
+        "paged_art_walks_equal_contiguous": "2/2"}
+
+
+def test_paged_rows_report_a_walk_that_differs_from_the_contiguous_one(monkeypatch):
+    import kernels.bench as bench
+    from art_analysis.synthetic import synthetic_cache
+
+    cache = synthetic_cache(batch=2, num_q_heads=4, num_kv_heads=2, seqlen=256, head_dim=64, dtype=torch.float16)
+    real_to_paged = bench.to_paged
+
+    def swapped_sequences(k, v, page_size, seed):
+        k_pages, v_pages, table = real_to_paged(k, v, page_size, seed=seed)
+        return k_pages, v_pages, table.flip(0)  # each sequence reads the other's pages
+
+    monkeypatch.setattr(bench, "to_paged", swapped_sequences)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    rows = bench.bench_paged(cache.q, cache.k, cache.v, art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=1)
+    assert [r["equals_contiguous"] for r in rows if r["impl"] == "art" and r["page_size"]] == [False, False]
+    assert bench.paged_summary(rows)["paged_art_walks_equal_contiguous"] == "0/2"

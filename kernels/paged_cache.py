@@ -1,0 +1,51 @@
+"""A contiguous KV cache scattered into a shuffled page pool: the paged layout of ``art_decode``.
+
+``to_paged(k, v, page_size)`` turns ``k, v [B, Hkv, S, D]`` into ``k_pages, v_pages [num_pages, page_size,
+Hkv, D]`` and ``block_table [B, ceil(S / page_size)]`` (int32), sequence ``b``'s page ``i`` at pool row
+``block_table[b, i]``.  The pages are handed out in a random order, as an allocator that has served many
+sequences would, and the pool holds ``spare_pages`` pages no sequence owns; spare pages and the slots past
+``S`` in each sequence's last page hold random values, which a kernel must never let reach its output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
+             spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter ``k, v [B, Hkv, S, D]`` into shuffled pages of ``page_size`` tokens (see the module docstring).
+
+    Returns ``k_pages, v_pages [B * ceil(S / page_size) + spare_pages, page_size, Hkv, D]`` (dtype and device
+    of ``k``) and ``block_table [B, ceil(S / page_size)]`` int32 on the same device; ``seed`` fixes the page
+    order and the random values."""
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError(f"k and v must be tensors, got {type(k).__name__} and {type(v).__name__}")
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [B, Hkv, S, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"k and v must share dtype and device, got {k.dtype} on {k.device} and {v.dtype} on {v.device}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if isinstance(spare_pages, bool) or not isinstance(spare_pages, int) or spare_pages < 0:
+        raise ValueError(f"spare_pages must be an int >= 0, got {spare_pages!r}")
+    batch, kv_heads, seqlen, dim = k.shape
+    per_seq = math.ceil(seqlen / page_size)
+    num_pages = batch * per_seq + spare_pages
+    generator = torch.Generator(device=k.device).manual_seed(seed)
+    table = torch.randperm(num_pages, generator=generator, device=k.device)[:batch * per_seq].view(batch, per_seq)
+    pad = per_seq * page_size - seqlen
+    pools = []
+    for x in (k, v):
+        pool = torch.empty(num_pages, page_size, kv_heads, dim, dtype=x.dtype, device=x.device)
+        pool.normal_(generator=generator)
+        pages = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, kv_heads, per_seq, page_size, dim)
+        pool[table.flatten()] = pages.permute(0, 2, 3, 1, 4).reshape(-1, page_size, kv_heads, dim)
+        if pad:
+            # the padding slots of each last page keep random values, like a pool that was never cleared
+            last = table[:, -1]
+            pool[last, page_size - pad:] = torch.randn(batch, pad, kv_heads, dim, generator=generator,
+                                                       device=x.device).to(x.dtype)
+        pools.append(pool)
+    return pools[0], pools[1], table.to(torch.int32)
