@@ -132,8 +132,12 @@ page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read 
 descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
 and zeroed in V so that whatever a page holds there cannot reach the output: only in the block that holds the
 last token, which the others branch around, V30), larger ones through pointer
-loads of consecutive slots.  Otherwise each token's row is gathered through its own entry, with the page
-and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's
+loads of consecutive slots.  A block of whole pages of at least ``MIN_SUBPAGE`` (16) tokens takes one
+descriptor copy per page (``"subpage_descriptors"``): the step's scores are one dot per page's tile, the
+block's maximum and ``sum p`` are taken over the tiles elementwise and then along the rows, and ``P V`` chains
+the tiles' products, so ``l``, and with it ``lse``, can differ from the contiguous layout's in the last bit
+(outputs and stop steps were equal in every A/B comparison).  Otherwise each token's row is gathered through
+its own entry, with the page and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's
 page-table load ahead of its K/V tiles, which at the contiguous layout's stage count left the tiles
 single-buffered; the paged launches take ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them
 at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
@@ -143,7 +147,9 @@ default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pa
 the page descriptors (contiguous 0.058); every output, lse and step count bit-identical.  Zeroing V only in
 the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone monitored step on pages of 64
 / 256 tokens 2.00 / 1.83 -> 1.68 / 1.63 us (contiguous 1.20), ART at 8 x 32k on pages of 64 0.088 -> 0.077 ms
-(contiguous 0.059), bit-identical.
+(contiguous 0.059), bit-identical.  One tile per page (V30, ``-subpages-ab.json``): the lone monitored step on
+pages of 16 / 32 tokens 2.61 / 2.62 -> 2.25 / 1.76 us, ART at 8 x 32k 0.118 -> 0.101 / 0.082 ms and at 128 x 8k
+0.489 / 0.485 -> 0.416 / 0.399 ms (pages of 64: 0.398), dense B = 32 x 32k 4.40 / 4.44 -> 4.45 / 4.52 TB/s.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one
@@ -201,6 +207,7 @@ TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
 DENSE_WALKS_OVERLAPPED = 2        # the split rule's dense walk time: its blocks per multiprocessor over this many
 TMA_MAX_BLOCK = 64
+MIN_SUBPAGE = 16                 # the fewest tokens of a page read as its own tile (the smallest dot operand)
 LEADER_TMA_MIN_STEPS = 32
 RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
 PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
@@ -328,8 +335,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     k_arg, v_arg = k_cache, v_cache
     if loads == "host_descriptors":
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
-    elif loads == "page_descriptors":
-        k_arg, v_arg = (page_descriptor(x, block_size) for x in (k_cache, v_cache))
+    elif loads in ("page_descriptors", "subpage_descriptors"):
+        k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
     art_decode_split_kernel[(num_splits, batch * kv_heads)](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, flag, arrivals,
@@ -480,11 +487,15 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
     otherwise) only for ``D = 128`` and at least ``LEADER_TMA_MIN_STEPS`` blocks per split
     (``benchmarks/NOTES-art-decode.md``, V8).  On the paged layout, descriptors made on the host
     (``"page_descriptors"``) when each block lies within one page (``page_size`` a multiple of the block),
-    else pointer loads (V29)."""
+    or one per page of a block made of whole pages of at least ``MIN_SUBPAGE`` tokens
+    (``"subpage_descriptors"``), else pointer loads (V29, V30)."""
     if block_size > TMA_MAX_BLOCK or not (descriptor_ready(k_cache) and descriptor_ready(v_cache)):
         return "pointers"
     if paged:
-        return "page_descriptors" if k_cache.shape[1] % block_size == 0 else "pointers"
+        page_size = k_cache.shape[1]
+        if page_size % block_size == 0:
+            return "page_descriptors"
+        return "subpage_descriptors" if block_size % page_size == 0 and page_size >= MIN_SUBPAGE else "pointers"
     if uniform:
         return "host_descriptors"
     if leader_steps is not None and (k_cache.shape[-1] != 128 or leader_steps < LEADER_TMA_MIN_STEPS):

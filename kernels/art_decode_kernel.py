@@ -105,44 +105,98 @@ def _load_tile(src, rows, valid, lead, first_row, kv_head,
 
 
 @triton.jit
+def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr):
+    """The block of traversal step ``step`` on pages smaller than it (``BLOCK_N`` a multiple of ``PAGE_SIZE``):
+    tuples of its ``BLOCK_N // PAGE_SIZE`` pages' token validity ``[PAGE_SIZE]`` and K and V tiles
+    ``[PAGE_SIZE, D]``, each tile one bulk copy through a descriptor of the page pool.  A page past the length
+    (its table entry not read) is read as page 0 and, as the length's own page past the length, zeroed in V."""
+    if SINK_RECENCY:
+        block = tl.where(step == 0, 0, num_blocks - step)
+    else:
+        block = step
+    first = block.to(tl.int64) * BLOCK_N
+    entries = table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE
+    ends_past_length = first + BLOCK_N > seqlen
+    valids = ()
+    ks = ()
+    vs = ()
+    for i in tl.static_range(BLOCK_N // PAGE_SIZE):
+        page_first = first + i * PAGE_SIZE
+        page = tl.load(entries + i, mask=page_first < seqlen, other=0).to(tl.int32)
+        valid = page_first + tl.arange(0, PAGE_SIZE) < seqlen
+        k = k_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
+        v = v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
+        if ends_past_length:
+            v = tl.where(valid[:, None], v, 0.0)
+        valids = valids + (valid,)
+        ks = ks + (k,)
+        vs = vs + (v,)
+    return valids, ks, vs
+
+
+@triton.jit
 def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
                 LOADS: tl.constexpr):
-    """Token validity ``[BLOCK_N]`` and the K and V tiles ``[BLOCK_N, D]`` of traversal step ``step``, both
+    """Token validity and the K and V tiles of traversal step ``step``, as tuples of one ``[BLOCK_N]`` mask and
+    ``[BLOCK_N, D]`` tiles, or, with ``LOADS == "subpage_descriptors"``, of each page's (``_subpage_tiles``); all
     taken before the step's scores (``k_src``, ``v_src``: tensor descriptors, one bulk copy per tile with rows
     past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
-    valid, k_rows, v_rows, lead, first_row, ends_past_length = _block_rows(
-        step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
-        stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
-    k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
-    v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
-    if LOADS == "page_descriptors":
-        # a page's slots past the length are read, and may hold anything: zero them in V (their scores are
-        # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced.
-        # Only the block holding the last token has such slots: the others branch around the select, which
-        # takes V from shared memory to registers and back (about 340 instructions per step at D = 128).
-        if ends_past_length:
-            v = tl.where(valid[:, None], v, 0.0)
-    return valid, k, v
+    if LOADS == "subpage_descriptors":
+        valids, ks, vs = _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                                        PAGE_SIZE, BLOCK_N, HEAD_DIM, SINK_RECENCY)
+    else:
+        valid, k_rows, v_rows, lead, first_row, ends_past_length = _block_rows(
+            step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
+            stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
+        k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+        v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
+        if LOADS == "page_descriptors":
+            # a page's slots past the length are read, and may hold anything: zero them in V (their scores are
+            # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced.
+            # Only the block holding the last token has such slots: the others branch around the select, which
+            # takes V from shared memory to registers and back (about 340 instructions per step at D = 128).
+            if ends_past_length:
+                v = tl.where(valid[:, None], v, 0.0)
+        valids = (valid,)
+        ks = (k,)
+        vs = (v,)
+    return valids, ks, vs
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION: tl.constexpr):
-    """One step of the online softmax over the loaded ``k``, ``v`` tiles ``[BLOCK_N, D]`` (invalid tokens:
-    ``valid [BLOCK_N]`` false): returns the new ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.
-    ``m`` is the running maximum of the unscaled scores ``q k^T`` and ``score_log2`` is ``sm_scale * log2(e)``:
-    ``exp(sm_scale * (s - m))`` is evaluated as ``exp2(s * score_log2 - m * score_log2)``, one FMA and the
-    hardware's ``ex2`` per score."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
+def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax over the loaded tiles (``_step_tiles``' tuples ``ks``, ``vs`` of
+    ``[N, D]`` tiles, and ``valids`` of ``[N]`` masks, false for invalid tokens): returns the new
+    ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.  ``m`` is the running maximum of the unscaled scores
+    ``q k^T`` and ``score_log2`` is ``sm_scale * log2(e)``: ``exp(sm_scale * (s - m))`` is evaluated as
+    ``exp2(s * score_log2 - m * score_log2)``, one FMA and the hardware's ``ex2`` per score.  Several tiles
+    (pages smaller than the block) take the block's maximum over all of them before any ``exp``, as one tile
+    would; the maximum and ``sum p`` take the tiles elementwise, then one reduction along the rows (one cross-warp
+    exchange each, as for one tile), and ``P V`` chains the tiles' products."""
+    scores = ()
+    for i in tl.static_range(len(ks)):
+        s = tl.dot(q, tl.trans(ks[i]), input_precision=DOT_PRECISION)
+        scores = scores + (tl.where(valids[i][None, :], s, float("-inf")),)
+    score_max = scores[0]
+    for i in tl.static_range(1, len(ks)):
+        score_max = tl.maximum(score_max, scores[i])
+    m_new = tl.maximum(m, tl.max(score_max, 1))
     alpha = tl.exp2((m - m_new) * score_log2)
-    p = tl.exp2(s * score_log2 - (m_new * score_log2)[:, None])
-    l_new = alpha * l + tl.sum(p, 1)
-    acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    ps = ()
+    for i in tl.static_range(len(ks)):
+        ps = ps + (tl.exp2(scores[i] * score_log2 - (m_new * score_log2)[:, None]),)
+    p_sum = ps[0]
+    for i in tl.static_range(1, len(ks)):
+        p_sum = p_sum + ps[i]
+    l_new = alpha * l + tl.sum(p_sum, 1)
+    acc_new = tl.dot(ps[0].to(vs[0].dtype), vs[0], acc * alpha[:, None], input_precision=DOT_PRECISION)
+    for i in tl.static_range(1, len(ks)):
+        acc_new = tl.dot(ps[i].to(vs[i].dtype), vs[i], acc_new, input_precision=DOT_PRECISION)
     return m_new, l_new, acc_new
 
 
@@ -153,10 +207,10 @@ def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src
                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
-        valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                                  PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                                  BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
-        m, l, acc = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
+        valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                                     PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
+        m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
     return m, l, acc
 
 
@@ -263,7 +317,9 @@ def art_decode_split_kernel(
     masked), ``"kernel_descriptors"`` (per-sequence ``[seqlen, D]`` descriptors made here) or
     ``"host_descriptors"`` (``k_ptr``, ``v_ptr`` are ``[B, Hkv, uniform_len, D]`` descriptors made by the
     launcher, uniform lengths only) or ``"page_descriptors"`` (paged layout, pages holding whole blocks:
-    ``[num_pages, page_size, Hkv, D]`` descriptors made by the launcher, one bulk copy of a block's slots).
+    ``[num_pages, page_size, Hkv, D]`` descriptors made by the launcher, one bulk copy of a block's slots) or
+    ``"subpage_descriptors"`` (blocks of whole pages of at least 16 tokens: the same descriptors, one bulk copy
+    per page, ``_subpage_tiles``).
     Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V.  ``PAGE_SIZE``: tokens
     per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
     of ``BLOCK_N``) takes one page-table entry per step, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
@@ -342,10 +398,10 @@ def art_decode_split_kernel(
             # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
             if is_leader or not SINGLE_SPLIT:
                 for t in tl.range(step, chunk_end):
-                    valid, k, v = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                              stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
-                                              stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
-                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, k, v, valid, score_log2, DOT_PRECISION)
+                    valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
+                                                 stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
+                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
                     norm, count, done = _probe_update(
                         _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
                         _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,

@@ -60,8 +60,8 @@ def _compile_request(label: str, arg_names, call) -> dict:
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
-# lengths (descriptors made in the kernel or on the host), the paged layout (pointer loads), the dense walk, fp32
-# and the smaller blocks.
+# lengths (descriptors made in the kernel or on the host), the paged layout (one tile per page of 16 tokens, one
+# per block within a page, pointer loads on pages of 8), the dense walk, fp32 and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
     ("group 12, one split, uniform", 24, 2, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -69,6 +69,7 @@ CASES = [
     ("group 3, leader scheme, sequential, D 64", 9, 3, 64, torch.bfloat16, True,
      dict(num_splits=4, ragged=True, order="sequential")),
     ("group 16, paged", 32, 2, 64, torch.float16, True, dict(num_splits=2, paged=True)),
+    ("group 4, pages of 8, D 128", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1, paged=True, page_size=8)),
     ("dense, block 128", 32, 8, 128, torch.bfloat16, False, dict(num_splits=5)),
     ("group 1, fp32, block 32", 4, 4, 64, torch.float32, True, dict(num_splits=1, block_size=32)),
     ("group 8, paged, block 16, D 128", 16, 2, 128, torch.bfloat16, True, dict(num_splits=1, paged=True, block_size=16)),
@@ -76,15 +77,15 @@ CASES = [
 ]
 
 
-def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, **kwargs):
+def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, page_size=16, **kwargs):
     """One ``art_decode`` call of a ``CASES`` entry on small CPU tensors."""
     batch, seqlen = 2, 4096
     q = torch.zeros(batch, q_heads, head_dim, dtype=dtype)
     k = torch.zeros(batch, kv_heads, seqlen, head_dim, dtype=dtype)
     layout = {}
     if paged:
-        k = torch.zeros(batch * seqlen // 16, 16, kv_heads, head_dim, dtype=dtype)
-        layout["block_table"] = torch.arange(batch * seqlen // 16, dtype=torch.int32).view(batch, -1)
+        k = torch.zeros(batch * seqlen // page_size, page_size, kv_heads, head_dim, dtype=dtype)
+        layout["block_table"] = torch.arange(batch * seqlen // page_size, dtype=torch.int32).view(batch, -1)
     if ragged:
         layout["cache_seqlens"] = torch.tensor([seqlen, 1000], dtype=torch.int32)
     params = ARTConfig().kernel_params() if art else None
