@@ -25,17 +25,55 @@ IMPL_STYLES = {
 }
 
 
+PAGED_STYLES = {"art_dense": dict(color="black", label="dense"), "art": dict(color="tab:green", label="ART")}
+PAGE_HATCHES = ("//", "", "..", "xx")
+
+
+def paged_panel(ax, paged: list[dict]) -> None:
+    """Each paged row's time over the same call's on the contiguous cache (``kernels.bench.bench_paged``'s
+    ``over_contiguous``), one bar per call and page size, grouped by shape; a row without a time is left out."""
+    timed = [r for r in paged if r.get("page_size") and "over_contiguous" in r]
+    shapes = sorted({(r["batch"], r["seqlen"]) for r in timed}, key=lambda shape: (shape[1], shape[0]))
+    series = sorted({(r["impl"], r["page_size"]) for r in timed}, key=lambda key: (key[0] != "art_dense", key[1]))
+    sizes = sorted({size for _, size in series})
+    width = 0.8 / max(len(series), 1)
+    for i, (impl, size) in enumerate(series):
+        by_shape = {(r["batch"], r["seqlen"]): r["over_contiguous"] for r in timed
+                    if r["impl"] == impl and r["page_size"] == size}
+        positions = [j + (i - (len(series) - 1) / 2) * width for j, shape in enumerate(shapes) if shape in by_shape]
+        style = PAGED_STYLES.get(impl, dict(color="tab:gray", label=impl))
+        ax.bar(positions, [by_shape[shape] for shape in shapes if shape in by_shape], width, color=style["color"],
+               hatch=PAGE_HATCHES[sizes.index(size) % len(PAGE_HATCHES)], edgecolor="white", alpha=0.8,
+               label=f"{style['label']}, pages of {size}")
+    ax.axhline(1.0, color="red", linewidth=0.8, linestyle=":")
+    ax.set_ylim(0, 1.4 * max((r["over_contiguous"] for r in timed), default=1.0))   # room for the legend
+    ax.set_xticks(range(len(shapes)), [f"{batch} x {seqlen // 1024}k" for batch, seqlen in shapes])
+    ax.set_ylabel("time / contiguous layout's time")
+    ax.set_title("paged layout (shuffled pages)")
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
+
+
 def plot_kernel_speed(results: dict, path: str | Path) -> Path:
+    """Write :func:`kernel_speed_figure` of ``results`` to ``path`` (and a PDF beside a PNG); returns ``path``."""
+    return save_figure(kernel_speed_figure(results), path)
+
+
+def kernel_speed_figure(results: dict):
     """One throughput panel per sequence length (synthetic 32/8 heads, D=128; log scale, the ART
-    rows as the whole cache's bytes over their time) plus a panel of ART time / dense time
+    rows as the whole cache's bytes over their time), where the results have paged rows a panel of their
+    time over the contiguous layout's (:func:`paged_panel`), and a panel of ART time / dense time
     against the loaded fraction, with the target ``1.15 x fraction`` and, where the results have
     them, the rows' latency floors (``kernels.bench``: the longest leader walk at the time per block
     of a lone walk), walk models and the dense kernel's time over the same walks (``walks_dense_ms``)."""
     rows = [r for r in results["rows"] if "ms" in r]
     synthetic = [r for r in rows if r["data"] == "synthetic"]
     lengths = sorted({r["seqlen"] for r in synthetic})
-    fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(4.2 * (len(lengths) + 1), 3.8), squeeze=False)
+    paged = results.get("paged") or []
+    panels = len(lengths) + 1 + bool(paged)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
     axes = axes[0]
+    if paged:
+        paged_panel(axes[-2], paged)
     ceiling = results["copy_ceiling_tb_per_s"]
     for ax, seqlen in zip(axes, lengths):
         for impl, style in IMPL_STYLES.items():
@@ -49,7 +87,7 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
         ax.set_title(f"S = {seqlen // 1024}k")
     axes[0].set_ylabel("KV TB/s (whole-cache bytes / time)")   # one label: the panels share its meaning
     handles = {}
-    for ax in axes[:-1]:
+    for ax in axes[:len(lengths)]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.4, -0.12))
@@ -78,7 +116,7 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
     fig.subplots_adjust(wspace=0.3)   # room for the last panel's own y label
     fig.suptitle(f"{results['device']}: decode attention, Hq/Hkv = 32/8, D = 128, bf16 "
                  f"(CUDA-graph do_bench medians, {results['date'][:10]}; ART rows count the whole cache)")
-    return save_figure(fig, path)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
