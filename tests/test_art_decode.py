@@ -336,6 +336,28 @@ def test_ragged_lengths_and_shuffled_pages(art):
         assert_paged_agrees(paged, (contiguous, lse, steps), page_size, 64)
 
 
+@pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-2, phi=1e-2, patience=2)], ids=["dense", "art"])
+def test_pages_read_one_tile_each_agree_in_sequential_order(art):
+    # blocks of whole pages of 16 / 32 tokens: the last block holds pages past the length (their table entries are
+    # not read) and NaN past the length in its own page
+    lengths = torch.tensor([1, 70, 700], dtype=torch.int32)
+    q, k, v = synthetic_inputs(3, 4, 2, 700, 64, torch.float16, CPU, seed=21)
+    params = None if art is None else art.kernel_params()
+    kwargs = dict(cache_seqlens=lengths, art=params, order="sequential", num_splits=1, block_size=64, return_lse=True,
+                  return_stats=True)
+    contiguous = art_decode(q, k, v, **kwargs)
+    if art is not None:  # the walk is monitored and stops inside the sequence: the order decides what it read
+        assert torch.equal(contiguous[2][..., 0].long(), simulator_stop(q, k, v, lengths, art, "sequential")[0])
+        assert (contiguous[2][2] < 11).all()
+    past = torch.arange(k.shape[2])[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
+    for page_size in (16, 32):
+        k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
+        assert art_decode_module._kv_loads(k_pages, v_pages, True, 64, uniform=False,
+                                           leader_steps=None) == "subpage_descriptors"
+        assert_paged_agrees(art_decode(q, k_pages, v_pages, block_table=table, **kwargs), contiguous, page_size, 64)
+
+
 def arrival_counters_all_zero():
     return all(bool((c == 0).all()) for c in art_decode_module._ARRIVAL_COUNTERS.values())
 
