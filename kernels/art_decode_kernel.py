@@ -54,17 +54,24 @@ HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this man
 
 
 @triton.jit
+def _step_block(step, num_blocks, SINK_RECENCY: tl.constexpr):
+    """The block that traversal step ``step`` visits: ``step`` in sequential order; under ``sink_recency`` block 0,
+    then ``num_blocks - step`` (the newest first)."""
+    if SINK_RECENCY:
+        block = tl.where(step == 0, 0, num_blocks - step)
+    else:
+        block = step
+    return block
+
+
+@triton.jit
 def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
     """Token validity ``[BLOCK_N]``, int64 row offsets of K and V, a descriptor's coordinates of traversal
     step ``step`` (the leading index: ``b``, or the page of a block within one page; the first row, int32: the
     block's first token, or its first slot in the page) and whether the block ends past the length."""
-    if SINK_RECENCY:
-        block = tl.where(step == 0, 0, num_blocks - step)
-    else:
-        block = step
-    first = block.to(tl.int64) * BLOCK_N
+    first = _step_block(step, num_blocks, SINK_RECENCY).to(tl.int64) * BLOCK_N
     pos = first + tl.arange(0, BLOCK_N)
     valid = pos < seqlen
     lead = b
@@ -109,13 +116,10 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr):
     """The block of traversal step ``step`` on pages smaller than it (``BLOCK_N`` a multiple of ``PAGE_SIZE``):
     tuples of its ``BLOCK_N // PAGE_SIZE`` pages' token validity ``[PAGE_SIZE]`` and K and V tiles
-    ``[PAGE_SIZE, D]``, each tile one bulk copy through a descriptor of the page pool.  A page past the length
-    (its table entry not read) is read as page 0 and, as the length's own page past the length, zeroed in V."""
-    if SINK_RECENCY:
-        block = tl.where(step == 0, 0, num_blocks - step)
-    else:
-        block = step
-    first = block.to(tl.int64) * BLOCK_N
+    ``[PAGE_SIZE, D]``, each tile one bulk copy through a descriptor of the page pool.  A page wholly past the
+    length is not looked up in the table (its entry may not exist): page 0 is read in its place, and in the block
+    that holds the length every row of V past it is zeroed, whatever page it came from."""
+    first = _step_block(step, num_blocks, SINK_RECENCY).to(tl.int64) * BLOCK_N
     entries = table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE
     ends_past_length = first + BLOCK_N > seqlen
     valids = ()
