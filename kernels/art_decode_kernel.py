@@ -112,6 +112,18 @@ def _load_tile(src, rows, valid, lead, first_row, kv_head,
 
 
 @triton.jit
+def _zero_past_length(v, valid, ends_past_length):
+    """``v [N, D]`` with its rows past the length (``valid [N]`` false) zeroed, in the block that holds the length
+    (``ends_past_length``).  Page descriptors read a page's slots past the length, which may hold anything: their
+    scores are -inf, but p = 0 times a NaN would still reach the output (K needs nothing, its scores are
+    replaced).  Only that block has such slots: the others branch around the select, which takes V from shared
+    memory to registers and back (about 340 instructions per step at D = 128)."""
+    if ends_past_length:
+        v = tl.where(valid[:, None], v, 0.0)
+    return v
+
+
+@triton.jit
 def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr):
     """The block of traversal step ``step`` on pages smaller than it (``BLOCK_N`` a multiple of ``PAGE_SIZE``):
@@ -130,9 +142,7 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
         page = tl.load(entries + i, mask=page_first < seqlen, other=0).to(tl.int32)
         valid = page_first + tl.arange(0, PAGE_SIZE) < seqlen
         k = k_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
-        v = v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
-        if ends_past_length:
-            v = tl.where(valid[:, None], v, 0.0)
+        v = _zero_past_length(v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM), valid, ends_past_length)
         valids = valids + (valid,)
         ks = ks + (k,)
         vs = vs + (v,)
@@ -160,12 +170,7 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
         k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
         v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
         if LOADS == "page_descriptors":
-            # a page's slots past the length are read, and may hold anything: zero them in V (their scores are
-            # -inf, but p = 0 times a NaN would still reach the output); K needs nothing, its scores are replaced.
-            # Only the block holding the last token has such slots: the others branch around the select, which
-            # takes V from shared memory to registers and back (about 340 instructions per step at D = 128).
-            if ends_past_length:
-                v = tl.where(valid[:, None], v, 0.0)
+            v = _zero_past_length(v, valid, ends_past_length)
         valids = (valid,)
         ks = (k,)
         vs = (v,)
@@ -326,7 +331,8 @@ def art_decode_split_kernel(
     per page, ``_subpage_tiles``).
     Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V.  ``PAGE_SIZE``: tokens
     per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
-    of ``BLOCK_N``) takes one page-table entry per step, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
+    of ``BLOCK_N``) takes one page-table entry per step, a block of whole pages read through descriptors one
+    entry per page, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
     heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""

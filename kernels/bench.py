@@ -111,6 +111,12 @@ def kv_bytes(k: torch.Tensor) -> int:
     return 2 * k.numel() * k.element_size()
 
 
+def throughput(nbytes: int, ms: float, ceiling: float) -> dict:
+    """A row's ``tb_per_s`` (``nbytes`` read in ``ms``) and ``fraction_of_copy_ceiling`` (of ``ceiling`` TB/s)."""
+    tb_per_s = nbytes / ms / 1e9
+    return {"tb_per_s": tb_per_s, "fraction_of_copy_ceiling": tb_per_s / ceiling}
+
+
 def median_ms(fn: Callable[[], object], rep_ms: int) -> float:
     """``do_bench`` median in milliseconds."""
     return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
@@ -314,7 +320,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     for impl, result in results.items():
         row = {**base, "impl": impl, **result, **extras.get(impl, {})}
         if "ms" in row:
-            row.update(tb_per_s=nbytes / row["ms"] / 1e9, fraction_of_copy_ceiling=nbytes / row["ms"] / 1e9 / ceiling)
+            row.update(throughput(nbytes, row["ms"], ceiling))
         rows.append(row)
     by_impl = {r["impl"]: r for r in rows}
     reference = next((calls[p]().squeeze(2).float() for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention")
@@ -423,7 +429,8 @@ def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds:
     interleaved rounds of CUDA-graph medians.  One row per layout and call: ``ms``, TB/s (the cache's bytes read
     once), the fraction of the copy ceiling and ``over_contiguous``, its time over the same call's on the
     contiguous cache; ART rows add the loaded fraction and ``equals_contiguous``: output and steps bit-identical to
-    the contiguous call's (the same walk over the same values, so they must be)."""
+    the contiguous call's (the same walk over the same values; on pages read one tile each, whose ``sum p`` adds
+    in another order, an output may differ in its last bit)."""
     batch, q_heads, head_dim = q.shape
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
@@ -440,7 +447,7 @@ def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds:
     for (impl, size), result in results.items():
         row = {**base, "impl": impl, "page_size": size, **result}
         if "ms" in row:
-            row.update(tb_per_s=nbytes / row["ms"] / 1e9, fraction_of_copy_ceiling=nbytes / row["ms"] / 1e9 / ceiling)
+            row.update(throughput(nbytes, row["ms"], ceiling))
             contiguous = results[(impl, None)]
             if "ms" in contiguous:
                 row["over_contiguous"] = row["ms"] / contiguous["ms"]

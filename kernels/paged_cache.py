@@ -35,17 +35,14 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
     num_pages = batch * per_seq + spare_pages
     generator = torch.Generator(device=k.device).manual_seed(seed)
     table = torch.randperm(num_pages, generator=generator, device=k.device)[:batch * per_seq].view(batch, per_seq)
-    pad = per_seq * page_size - seqlen
+    pos = torch.arange(seqlen, device=k.device)
+    # token t of sequence b sits in slot t % page_size of page table[b, t // page_size]; every other slot (spare
+    # pages, the last page past S) keeps the pool's random values, like a pool that was never cleared
+    slots = (table[:, pos // page_size] * page_size + pos % page_size).flatten()
     pools = []
     for x in (k, v):
         pool = torch.empty(num_pages, page_size, kv_heads, dim, dtype=x.dtype, device=x.device)
         pool.normal_(generator=generator)
-        pages = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, kv_heads, per_seq, page_size, dim)
-        pool[table.flatten()] = pages.permute(0, 2, 3, 1, 4).reshape(-1, page_size, kv_heads, dim)
-        if pad:
-            # the padding slots of each last page keep random values, like a pool that was never cleared
-            last = table[:, -1]
-            pool[last, page_size - pad:] = torch.randn(batch, pad, kv_heads, dim, generator=generator,
-                                                       device=x.device).to(x.dtype)
+        pool.view(-1, kv_heads, dim)[slots] = x.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
         pools.append(pool)
     return pools[0], pools[1], table.to(torch.int32)
