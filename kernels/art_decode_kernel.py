@@ -29,7 +29,8 @@ there, with the state of its stop step, having computed and loaded no block past
 raises the ``(b, kv_head)`` *converged* flag in global memory.  Follower splits run the same
 monitored step with a patience out of reach (their monitor never stops them and is discarded, so
 that in a walk that does not stop every program takes the same time per block), in chunks of
-``ART_CHUNK`` steps, poll that flag after each chunk and stop too; the combine then ignores them
+``ART_CHUNK`` steps (a rest shorter than two chunks in one), poll that flag after each chunk and stop too;
+the combine then ignores them
 (see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
@@ -395,10 +396,14 @@ def art_decode_split_kernel(
             # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
             # not done needs `patience - count` more stable steps, counted from `first_counted`), so its stop
             # step is always the last step of a chunk: it never computes or loads a block past it.  Followers
-            # poll the flag every ART_CHUNK steps.  int32: `count` stays below HORIZON_CAP while the walk runs.
+            # poll the flag every ART_CHUNK steps, and take a rest shorter than two chunks in one: a poll drains
+            # the program's pipeline, and it would save at most a chunk's blocks there.  int32: `count` stays
+            # below HORIZON_CAP while the walk runs.
             need = tl.where(done != 0, 0, tl.minimum(patience, HORIZON_CAP) - count
                             + tl.minimum(tl.maximum(first_counted - step, 0), HORIZON_CAP).to(tl.int32))
-            horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0), ART_CHUNK)
+            rest = (end - step).to(tl.int32)
+            horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0),
+                               tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK))
             chunk_end = tl.minimum(step + horizon, end)
             # With several splits every program runs the monitored step (a follower's heads are never done
             # and its monitor is discarded), so that in a walk that does not stop all programs take the same

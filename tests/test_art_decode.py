@@ -271,6 +271,20 @@ def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
     assert (single_steps == leader_steps + 1).all(), "a single walk stops at the first counted step"
 
 
+@pytest.mark.parametrize("blocks, follower_steps", [(78, 26), (120, art_decode_module.ART_CHUNK)])
+def test_followers_poll_after_each_chunk_and_take_a_short_rest_in_one(blocks, follower_steps):
+    """The interpreter runs every leader (split 0) before any follower, so a follower sees its leader's flag at its
+    first poll: after ART_CHUNK steps of a 40-step range, and never within a 26-step range (shorter than two
+    chunks: one chunk, no poll)."""
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(1, 4, 1, blocks * 64, 64, torch.float16, CPU, seed=19)
+    stops_at_once = ARTParams(tau=1e9, phi=2.0, patience=1)               # the leader stops at its first counted step
+    out, steps = art_decode(q, k, v, art=stops_at_once, num_splits=3, return_stats=True)
+    assert steps[0, 0].tolist() == [2, follower_steps, follower_steps]
+    assert torch.equal(out, art_decode(q, k, v, art=stops_at_once, num_splits=1))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "pages16"])
 def test_zero_thresholds_are_bit_identical_to_dense(splits, page_size):
