@@ -38,7 +38,7 @@ block and shares the bandwidth evenly, where a leader that alone ran the monitor
 blocks against the walk's running maximum, one owner merges their partials through the monitor) was built and
 measured (V31, ``-cooperative-walk.json``): stop steps equal in every pair, but the owner's merges took 0.8 us
 per step, a global-memory round trip per chunk of ready partials, so it gained only on few or long walks
-(B = 1, 128k 0.049 -> 0.039 ms; SmolLM2 B = 32, 32k 0.238 -> 0.193) and was 1.1-2.1x slower elsewhere; not
+(B = 1, 128k 0.049 -> 0.039 ms; SmolLM2 B = 32, 32k 0.238 -> 0.193) and was 1.1-2.2x slower elsewhere; not
 kept.  No program reads the flag before its first chunk: every
 program of a launch would wait for that atomic before its first loads, and in the one wave the scheme is
 sized to, a leader cannot stop before its followers have started (a follower that starts later, in a grid
