@@ -18,9 +18,8 @@ newest blocks), and its monitor runs on exactly the state a single-split kernel 
 its stop step is the simulator's.  When it stops it raises a per-``(b, kv_head)`` *converged*
 flag in global memory; the *followers* (splits ``1..``) poll the flag after each chunk of
 ``ART_CHUNK`` blocks (a rest of their range shorter than two chunks is one chunk: V31, never-stopping
-SmolLM2 B = 32, 8k at 5 splits, 26-block ranges, 0.0642 -> 0.0639 ms) and exit, and the combine keeps the
-leader alone, so the output is the
-simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
+SmolLM2 B = 32, 8k at 5 splits, 26-block ranges, 0.0642 -> 0.0639 ms) and exit, and the combine keeps
+the leader alone, so the output is the simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
 end of its range without converging, the followers have covered the rest and the combine
 merges everything: the dense output (reported as a walk of all ``N`` steps).  Every program's
 step count, which is the number of blocks it loaded, is returned with ``return_stats``.
@@ -34,12 +33,12 @@ monitored step as the leader, with a patience out of reach (their monitor never 
 and is discarded): in a walk that does not stop, every program then takes the same time per
 block and shares the bandwidth evenly, where a leader that alone ran the monitor ended last
 (``benchmarks/NOTES-art-decode.md``, V13: never-stopping overhead at B = 8, 4 splits +6.0 % ->
-+1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  A walk split across programs that keeps the monitor exact (helpers attend
-blocks against the walk's running maximum, one owner merges their partials through the monitor) was built and
-measured (V31, ``-cooperative-walk.json``): stop steps equal in every pair, but the owner's merges took 0.8 us
-per step, a global-memory round trip per chunk of ready partials, so it gained only on few or long walks
-(B = 1, 128k 0.049 -> 0.039 ms; SmolLM2 B = 32, 32k 0.238 -> 0.193) and was 1.1-2.2x slower elsewhere; not
-kept.  No program reads the flag before its first chunk: every
++1.4-3.2 %; B = 1, 128k +10.9 % -> +4.4 %).  A walk split across programs that keeps the monitor
+exact (helpers attend blocks against the walk's running maximum, one owner merges their partials through
+the monitor) was built and measured (V31, ``-cooperative-walk.json``): stop steps equal in every pair,
+but the owner's merges took 0.8 us per step, a global-memory round trip per chunk of ready partials, so
+it gained only on few or long walks (B = 1, 128k 0.049 -> 0.039 ms; SmolLM2 B = 32, 32k 0.238 -> 0.193)
+and was 1.1-2.2x slower elsewhere; not kept.  No program reads the flag before its first chunk: every
 program of a launch would wait for that atomic before its first loads, and in the one wave the scheme is
 sized to, a leader cannot stop before its followers have started (a follower that starts later, in a grid
 of several waves, reads one chunk before it sees the flag; V30: never-stopping SmolLM2 B = 32, 8k at 5

@@ -29,8 +29,8 @@ there, with the state of its stop step, having computed and loaded no block past
 raises the ``(b, kv_head)`` *converged* flag in global memory.  Follower splits run the same
 monitored step with a patience out of reach (their monitor never stops them and is discarded, so
 that in a walk that does not stop every program takes the same time per block), in chunks of
-``ART_CHUNK`` steps (a rest shorter than two chunks in one), poll that flag after each chunk and stop too;
-the combine then ignores them
+``ART_CHUNK`` steps (a rest of their range shorter than two chunks is one chunk), poll that flag after
+each chunk and stop too; the combine then ignores them
 (see ``kernels.art_decode``).
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
