@@ -137,7 +137,7 @@ slower with them).  All three ways of loading give bit-identical results.
 page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read its slots through
 descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
 and zeroed in V so that whatever a page holds there cannot reach the output: only in the block that holds the
-last token, which the others branch around, V30), larger ones through pointer
+last token, which the walks run apart from their loops, V30, V32), larger ones through pointer
 loads of consecutive slots.  A block of whole pages of at least ``MIN_SUBPAGE`` (16) tokens takes one
 descriptor copy per page (``"subpage_descriptors"``): the step's scores are one dot per page's tile, the
 block's maximum and ``sum p`` are taken over the tiles elementwise and then along the rows, and ``P V`` chains
@@ -156,6 +156,12 @@ the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone 
 (contiguous 0.059), bit-identical.  One tile per page (V30, ``-subpages-ab.json``): the lone monitored step on
 pages of 16 / 32 tokens 2.61 / 2.62 -> 2.25 / 1.76 us, ART at 8 x 32k 0.118 -> 0.101 / 0.082 ms and at 128 x 8k
 0.489 / 0.485 -> 0.416 / 0.399 ms (pages of 64: 0.398), dense B = 32 x 32k 4.40 / 4.44 -> 4.45 / 4.52 TB/s.
+The block that holds the last token run apart from the loops (V32, ``-paged-tail-apart-ab.json``): a select
+inside a loop, even one that the other steps branch around, took every step's V tile from shared memory to
+registers and back; the lone monitored step on pages of 64 / 16 tokens 1.70 / 2.26 -> 1.48 / 1.94 us, the lone
+dense step 1.17 / 1.70 -> 0.89 / 1.26 (contiguous 0.89), ART at 8 x 32k 0.077 / 0.101 -> 0.069 / 0.085 ms
+(contiguous 0.058), bit-identical, and with lengths that end inside a block (the tail apart in every walk)
+0.081 / 0.107 -> 0.077 / 0.093.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
 (``art_decode_kernel._read_flag``; the last arriver's read-and-reset is one exchange): one

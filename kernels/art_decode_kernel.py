@@ -71,7 +71,7 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
                 BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr):
     """Token validity ``[BLOCK_N]``, int64 row offsets of K and V, a descriptor's coordinates of traversal
     step ``step`` (the leading index: ``b``, or the page of a block within one page; the first row, int32: the
-    block's first token, or its first slot in the page) and whether the block ends past the length."""
+    block's first token, or its first slot in the page)."""
     first = _step_block(step, num_blocks, SINK_RECENCY).to(tl.int64) * BLOCK_N
     pos = first + tl.arange(0, BLOCK_N)
     valid = pos < seqlen
@@ -93,7 +93,7 @@ def _block_rows(step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b,
     else:
         k_rows = b.to(tl.int64) * stride_k0 + kv_head * stride_kh + pos * stride_kt
         v_rows = b.to(tl.int64) * stride_v0 + kv_head * stride_vh + pos * stride_vt
-    return valid, k_rows, v_rows, lead, first_row, first + BLOCK_N > seqlen
+    return valid, k_rows, v_rows, lead, first_row
 
 
 @triton.jit
@@ -113,28 +113,30 @@ def _load_tile(src, rows, valid, lead, first_row, kv_head,
 
 
 @triton.jit
-def _zero_past_length(v, valid, ends_past_length):
-    """``v [N, D]`` with its rows past the length (``valid [N]`` false) zeroed, in the block that holds the length
-    (``ends_past_length``).  Page descriptors read a page's slots past the length, which may hold anything: their
-    scores are -inf, but p = 0 times a NaN would still reach the output (K needs nothing, its scores are
-    replaced).  Only that block has such slots: the others branch around the select, which takes V from shared
-    memory to registers and back (about 340 instructions per step at D = 128)."""
-    if ends_past_length:
-        v = tl.where(valid[:, None], v, 0.0)
-    return v
+def _tail_step(seqlen, num_blocks, BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr):
+    """The traversal step of the block that holds the last token when the length ends inside it, else -1.  Page
+    descriptors read a page's slots past the length, which may hold anything: their scores are -inf, but p = 0
+    times a NaN would still reach the output, so that step zeroes them in V (``_step_tiles``' ``ZERO_TAIL``).
+    The walks run it apart from their loops (``_dense_walk``, the monitored chunks): a select inside a loop takes
+    every step's V tile from shared memory to registers and back, whichever branch it takes."""
+    if SINK_RECENCY:
+        step = tl.where(num_blocks == 1, 0, 1)
+    else:
+        step = num_blocks - 1
+    return tl.where(seqlen % BLOCK_N == 0, -1, step)
 
 
 @triton.jit
 def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr,
+                   ZERO_TAIL: tl.constexpr):
     """The block of traversal step ``step`` on pages smaller than it (``BLOCK_N`` a multiple of ``PAGE_SIZE``):
     tuples of its ``BLOCK_N // PAGE_SIZE`` pages' token validity ``[PAGE_SIZE]`` and K and V tiles
     ``[PAGE_SIZE, D]``, each tile one bulk copy through a descriptor of the page pool.  A page wholly past the
     length is not looked up in the table (its entry may not exist): page 0 is read in its place, and in the block
-    that holds the length every row of V past it is zeroed, whatever page it came from."""
+    that holds the length (``ZERO_TAIL``) every row of V past it is zeroed, whatever page it came from."""
     first = _step_block(step, num_blocks, SINK_RECENCY).to(tl.int64) * BLOCK_N
     entries = table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE
-    ends_past_length = first + BLOCK_N > seqlen
     valids = ()
     ks = ()
     vs = ()
@@ -143,7 +145,9 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
         page = tl.load(entries + i, mask=page_first < seqlen, other=0).to(tl.int32)
         valid = page_first + tl.arange(0, PAGE_SIZE) < seqlen
         k = k_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
-        v = _zero_past_length(v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM), valid, ends_past_length)
+        v = v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
+        if ZERO_TAIL:
+            v = tl.where(valid[:, None], v, 0.0)
         valids = valids + (valid,)
         ks = ks + (k,)
         vs = vs + (v,)
@@ -154,24 +158,25 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
 def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
-                LOADS: tl.constexpr):
+                LOADS: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Token validity and the K and V tiles of traversal step ``step``, as tuples of one ``[BLOCK_N]`` mask and
     ``[BLOCK_N, D]`` tiles, or, with ``LOADS == "subpage_descriptors"``, of each page's (``_subpage_tiles``); all
     taken before the step's scores (``k_src``, ``v_src``: tensor descriptors, one bulk copy per tile with rows
-    past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
+    past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says; page
+    descriptors read a page's slots past it, zeroed in V when ``ZERO_TAIL``: ``_tail_step``).
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
     if LOADS == "subpage_descriptors":
         valids, ks, vs = _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                                        PAGE_SIZE, BLOCK_N, HEAD_DIM, SINK_RECENCY)
+                                        PAGE_SIZE, BLOCK_N, HEAD_DIM, SINK_RECENCY, ZERO_TAIL)
     else:
-        valid, k_rows, v_rows, lead, first_row, ends_past_length = _block_rows(
+        valid, k_rows, v_rows, lead, first_row = _block_rows(
             step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
             stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
         k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
         v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
-        if LOADS == "page_descriptors":
-            v = _zero_past_length(v, valid, ends_past_length)
+        if ZERO_TAIL:
+            v = tl.where(valid[:, None], v, 0.0)
         valids = (valid,)
         ks = (k,)
         vs = (v,)
@@ -211,16 +216,46 @@ def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _dense_walk(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
+def _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                 PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
         valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                                      PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, ZERO_TAIL)
         m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                stride_table_b, PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                stride_vt, score_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr,
+                PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PEEL_TAIL: tl.constexpr):
+    """Steps ``[first, last)`` of the online softmax without a monitor.  With ``PEEL_TAIL`` the step ``tail``
+    (``_tail_step``), when in the range, runs between two loops, with V's rows past the length zeroed."""
+    if PEEL_TAIL:
+        cut = tl.where((tail >= first) & (tail < last), tail, last)
+        m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                                 False)
+        if cut < last:
+            m, l, acc = _dense_steps(q, m, l, acc, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                                     table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
+                                     stride_vh, stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED,
+                                     DOT_PRECISION, LOADS, True)
+            m, l, acc = _dense_steps(q, m, l, acc, cut + 1, last, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                                     table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
+                                     stride_vh, stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED,
+                                     DOT_PRECISION, LOADS, False)
+    else:
+        m, l, acc = _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                                 False)
     return m, l, acc
 
 
@@ -294,6 +329,29 @@ def _leading_rows(x, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _monitored_steps(q, m, l, acc, norm, count, done, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                     table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0,
+                     stride_vh, stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
+                     PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                     USE_DIRECTION: tl.constexpr, PROBE_ROWS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    """Steps ``[first, last)`` of the online softmax, the monitor (``_probe_update``) after each (software-pipelined
+    loads): returns ``m``, ``l``, ``acc`` and the monitor's ``norm``, ``count``, ``done``."""
+    for t in tl.range(first, last):
+        valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
+                                     PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, ZERO_TAIL)
+        m_new, l_new, acc_new = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
+        norm, count, done = _probe_update(
+            _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
+            _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
+            probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
+        m, l, acc = m_new, l_new, acc_new
+    return m, l, acc, norm, count, done
+
+
+@triton.jit
 def _read_flag(ptr):
     """The converged flag at ``ptr``, the same value in every warp of the program.
 
@@ -330,7 +388,8 @@ def art_decode_split_kernel(
     ``[num_pages, page_size, Hkv, D]`` descriptors made by the launcher, one bulk copy of a block's slots) or
     ``"subpage_descriptors"`` (blocks of whole pages of at least 16 tokens: the same descriptors, one bulk copy
     per page, ``_subpage_tiles``).
-    Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V.  ``PAGE_SIZE``: tokens
+    Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V, in the
+    step that holds the length, which the walks run apart from their loops (``_tail_step``).  ``PAGE_SIZE``: tokens
     per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
     of ``BLOCK_N``) takes one page-table entry per step, a block of whole pages read through descriptors one
     entry per page, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
@@ -347,6 +406,9 @@ def art_decode_split_kernel(
     else:
         seqlen = uniform_len.to(tl.int64)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    # page descriptors read a page's slots past the length: the step that holds them runs apart (_tail_step)
+    PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"
+    tail = _tail_step(seqlen, num_blocks, BLOCK_N, SINK_RECENCY)
     steps_per_split = tl.cdiv(num_blocks, num_splits)
     start = split * steps_per_split
     end = tl.minimum(start + steps_per_split, num_blocks)
@@ -412,24 +474,42 @@ def art_decode_split_kernel(
             # serialises the step's QK^T MMAs (743 instead of 706 instructions per step, single-split ART
             # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
             if is_leader or not SINGLE_SPLIT:
-                for t in tl.range(step, chunk_end):
-                    valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
-                                                 stride_vh, stride_vt, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS)
-                    m_new, l_new, acc_new = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
-                    norm, count, done = _probe_update(
-                        _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
-                        _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
-                        probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION)
-                    m, l, acc = m_new, l_new, acc_new
+                if PEEL_TAIL:  # the step that holds the length runs between two loops (_tail_step)
+                    cut = tl.where((tail >= step) & (tail < chunk_end), tail, chunk_end)
+                    m, l, acc, norm, count, done = _monitored_steps(
+                        q, m, l, acc, norm, count, done, step, cut, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                        stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                        SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                        USE_DIRECTION, PROBE_ROWS, False)
+                    if cut < chunk_end:
+                        m, l, acc, norm, count, done = _monitored_steps(
+                            q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                            table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                            stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                            SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                            USE_DIRECTION, PROBE_ROWS, True)
+                        m, l, acc, norm, count, done = _monitored_steps(
+                            q, m, l, acc, norm, count, done, cut + 1, chunk_end, num_blocks, b, kv_head, seqlen, k_src,
+                            v_src, table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
+                            stride_vh, stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N,
+                            HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE,
+                            USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
+                else:
+                    m, l, acc, norm, count, done = _monitored_steps(
+                        q, m, l, acc, norm, count, done, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                        stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                        SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                        USE_DIRECTION, PROBE_ROWS, False)
                 # (derived from the done bits here, not from the next horizon being 0: that placement compiled
                 # the 64-dim multi-split step with serialised MMAs; benchmarks/NOTES-art-decode.md, V14)
                 group_done = tl.min(tl.where(probe_valid, done, 1), 0).to(group_done.dtype)
             else:
-                m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
+                m, l, acc = _dense_walk(q, m, l, acc, step, chunk_end, tail, num_blocks, b, kv_head, seqlen, k_src,
+                                        v_src, table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
                                         stride_v0, stride_vh, stride_vt, score_log2,
-                                        BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
+                                        BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PEEL_TAIL)
             visited += chunk_end - step
             step = chunk_end
             if not SINGLE_SPLIT:
@@ -440,10 +520,10 @@ def art_decode_split_kernel(
                     converged = _read_flag(flag_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
     else:
-        m, l, acc = _dense_walk(q, m, l, acc, start, end, num_blocks, b, kv_head, seqlen, k_src, v_src,
+        m, l, acc = _dense_walk(q, m, l, acc, start, end, tail, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                 table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
                                 stride_v0, stride_vh, stride_vt, score_log2,
-                                BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS)
+                                BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PEEL_TAIL)
         visited = tl.maximum(end - start, 0)
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))

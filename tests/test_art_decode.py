@@ -372,6 +372,31 @@ def test_pages_read_one_tile_each_agree_in_sequential_order(art):
         assert_paged_agrees(art_decode(q, k_pages, v_pages, block_table=table, **kwargs), contiguous, page_size, 64)
 
 
+@pytest.mark.parametrize("order", ["sink_recency", "sequential"])
+@pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-3, phi=1e-4, patience=2)], ids=["dense", "art"])
+def test_the_step_that_holds_the_length_zeroes_the_slots_past_it_in_every_range(order, art):
+    # Page descriptors read a page's slots past the length; only the step of the block that holds the length zeroes
+    # them, run apart from the walk's loops: the first step of a walk (one block), the second under sink_recency (in
+    # the leader's first chunk), the last under sequential (the end of the last split's range), or none (a length
+    # that ends a block)
+    lengths = torch.tensor([1, 40, 640, 1000], dtype=torch.int32)
+    q, k, v = synthetic_inputs(4, 4, 2, 1000, 64, torch.float16, CPU, seed=31)
+    past = torch.arange(k.shape[2])[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
+    params = None if art is None else art.kernel_params()
+    for splits in (1, 3):
+        kwargs = dict(cache_seqlens=lengths, art=params, order=order, num_splits=splits, block_size=64,
+                      return_lse=True, return_stats=True)
+        contiguous = art_decode(q, k, v, **kwargs)
+        for page_size in (64, 32):
+            k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size + splits)
+            assert art_decode_module._kv_loads(k_pages, v_pages, True, 64, uniform=False, leader_steps=None) == (
+                "page_descriptors" if page_size == 64 else "subpage_descriptors")
+            paged = art_decode(q, k_pages, v_pages, block_table=table, **kwargs)
+            assert torch.isfinite(paged[0]).all()
+            assert_paged_agrees(paged, contiguous, page_size, 64)
+
+
 def arrival_counters_all_zero():
     return all(bool((c == 0).all()) for c in art_decode_module._ARRIVAL_COUNTERS.values())
 
