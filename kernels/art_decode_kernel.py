@@ -236,12 +236,14 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                 PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PEEL_TAIL: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor.  With ``PEEL_TAIL`` the step ``tail``
     (``_tail_step``), when in the range, runs between two loops, with V's rows past the length zeroed."""
+    cut = last
     if PEEL_TAIL:
         cut = tl.where((tail >= first) & (tail < last), tail, last)
-        m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-                                 False)
+    m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                             stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                             stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                             False)
+    if PEEL_TAIL:
         if cut < last:
             m, l, acc = _dense_steps(q, m, l, acc, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
@@ -251,11 +253,6 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
                                      stride_vh, stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED,
                                      DOT_PRECISION, LOADS, False)
-    else:
-        m, l, acc = _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-                                 False)
     return m, l, acc
 
 
@@ -474,14 +471,17 @@ def art_decode_split_kernel(
             # serialises the step's QK^T MMAs (743 instead of 706 instructions per step, single-split ART
             # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
             if is_leader or not SINGLE_SPLIT:
-                if PEEL_TAIL:  # the step that holds the length runs between two loops (_tail_step)
+                # on page layouts the step that holds the length runs between two loops (_tail_step)
+                cut = chunk_end
+                if PEEL_TAIL:
                     cut = tl.where((tail >= step) & (tail < chunk_end), tail, chunk_end)
-                    m, l, acc, norm, count, done = _monitored_steps(
-                        q, m, l, acc, norm, count, done, step, cut, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                        stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
-                        SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                        USE_DIRECTION, PROBE_ROWS, False)
+                m, l, acc, norm, count, done = _monitored_steps(
+                    q, m, l, acc, norm, count, done, step, cut, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                    table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                    stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                    SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                    USE_DIRECTION, PROBE_ROWS, False)
+                if PEEL_TAIL:
                     if cut < chunk_end:
                         m, l, acc, norm, count, done = _monitored_steps(
                             q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
@@ -495,13 +495,6 @@ def art_decode_split_kernel(
                             stride_vh, stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N,
                             HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE,
                             USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
-                else:
-                    m, l, acc, norm, count, done = _monitored_steps(
-                        q, m, l, acc, norm, count, done, step, chunk_end, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                        table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                        stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
-                        SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                        USE_DIRECTION, PROBE_ROWS, False)
                 # (derived from the done bits here, not from the next horizon being 0: that placement compiled
                 # the 64-dim multi-split step with serialised MMAs; benchmarks/NOTES-art-decode.md, V14)
                 group_done = tl.min(tl.where(probe_valid, done, 1), 0).to(group_done.dtype)
