@@ -13,7 +13,9 @@ computed.  ``art=None`` compiles the monitor out (the dense baseline).
 
 **Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
 ``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a
-log-sum-exp merge.  Split 0, the *leader*, holds the head of the order (the sink and the
+log-sum-exp merge: ranges of ``N // num_splits`` steps, the ``N % num_splits`` longer ones (a step more) last,
+so that the leader, the one program that restarts its pipeline where it could first stop, holds one of the
+shortest (V33).  Split 0, the *leader*, holds the head of the order (the sink and the
 newest blocks), and its monitor runs on exactly the state a single-split kernel would hold, so
 its stop step is the simulator's.  When it stops it raises a per-``(b, kv_head)`` *converged*
 flag in global memory; the *followers* (splits ``1..``) poll the flag after each chunk of
@@ -423,7 +425,7 @@ def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: tor
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
-    """Whether the leader's range (``max_steps / num_splits`` blocks, rounded up) reaches the walk's
+    """Whether the leader's range (``max_steps / num_splits`` blocks, rounded down) reaches the walk's
     earliest stop (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor
     cannot change the result: :func:`art_decode` then runs the dense walk of that split count, whose
     output, ``lse`` and ``steps`` (every program's range) are those of the monitored walk bit for bit."""
@@ -431,8 +433,9 @@ def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
 
 
 def _split_steps(max_steps: int, num_splits: int) -> int:
-    """Blocks in a split's range (the first split's; the kernel's ``steps_per_split``) for a walk of ``max_steps``."""
-    return -(-max_steps // num_splits)
+    """Blocks in the first split's range for a walk of ``max_steps``: the kernel cuts a walk into ranges of
+    ``max_steps // num_splits`` blocks and puts the ``max_steps % num_splits`` longer ones, a block more, last."""
+    return max_steps // num_splits
 
 
 def earliest_stop_steps(art: ARTParams) -> int:

@@ -4,8 +4,9 @@ One program serves one ``(b, kv_head, split)``: the query heads of the KV head a
 into the ``BLOCK_H`` rows of one ``tl.dot`` tile, so every K/V block is loaded once for the
 whole GQA group.  The monitor reads the tile's leading ``PROBE_ROWS`` rows: half of them when
 the group fits there, since the rest are padding (``kernels.art_decode.tile_rows``).  A split
-walks a contiguous range of the traversal *steps* (positions in the order, not token ranges),
-so split 0 holds the head of the order: the sink and the newest blocks under ``sink_recency``.
+walks a contiguous range of the traversal *steps* (positions in the order, not token ranges; ``N // splits``
+steps, the ``N % splits`` longer ones last), so split 0 holds the head of the order: the sink and the newest
+blocks under ``sink_recency``.
 
 Per step ``t`` the block ``j(t)`` (``t`` for ``sequential``; ``0`` then ``nb - t`` for
 ``sink_recency``) is attended with the FlashAttention-2 online recurrence of the simulator's
@@ -406,9 +407,12 @@ def art_decode_split_kernel(
     # page descriptors read a page's slots past the length: the step that holds them runs apart (_tail_step)
     PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"
     tail = _tail_step(seqlen, num_blocks, BLOCK_N, SINK_RECENCY)
-    steps_per_split = tl.cdiv(num_blocks, num_splits)
-    start = split * steps_per_split
-    end = tl.minimum(start + steps_per_split, num_blocks)
+    # ranges of `num_blocks // num_splits` steps, the `num_blocks % num_splits` longer ones by a step last: the leader,
+    # which alone restarts its pipeline where it could first stop, holds one of the shortest
+    base = num_blocks // num_splits
+    longer_from = num_splits - num_blocks % num_splits
+    start = split * base + tl.maximum(split - longer_from, 0)
+    end = start + base + (split >= longer_from).to(base.dtype)
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)

@@ -248,6 +248,25 @@ def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch, record_
     assert [call.grid[0] for call in launches.calls] == [1, 5, 1, 2]
 
 
+def test_splits_take_balanced_ranges_with_the_leader_among_the_shortest():
+    from kernels.art_params import ARTParams
+
+    # 23 and 7 steps over 5 splits: ranges of 4 and 1 steps, the 3 and 2 longer ones last; 3 steps: two empty first
+    lengths = torch.tensor([23 * 64 - 5, 7 * 64, 3 * 64], dtype=torch.int32)
+    q, k, v = synthetic_inputs(3, 4, 2, 23 * 64, 64, torch.float16, CPU, seed=23)
+    expected = torch.tensor([[4, 4, 5, 5, 5], [1, 1, 1, 2, 2], [0, 0, 1, 1, 1]], dtype=torch.int32)
+    never = ARTParams(tau=0.0, phi=0.0, patience=2)   # the monitor runs (the leader reaches the earliest stop)
+    dense = art_decode(q, k, v, cache_seqlens=lengths, num_splits=5, block_size=64, return_lse=True,
+                       return_stats=True)
+    monitored = art_decode(q, k, v, cache_seqlens=lengths, art=never, num_splits=5, return_lse=True,
+                           return_stats=True)
+    for out, lse, steps in (dense, monitored):
+        assert torch.equal(steps, expected[:, None, :].expand(-1, 2, -1))
+        assert_within_flash_oracle(out, q, k, v, lengths)
+    assert all(torch.equal(a, b) for a, b in zip(dense, monitored))
+    assert art_decode_module.leader_can_stop(23, 5, never) and not art_decode_module.leader_can_stop(14, 5, never)
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_followers_run_the_monitor_but_never_stop_on_their_own_state(splits):
     from kernels.art_params import ARTParams
@@ -491,12 +510,14 @@ def test_dense_default_block_is_128_unless_pages_split_such_blocks(record_decode
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
-    # 8 splits of 64-token blocks: length 1 fills split 0 only, 130 splits 0-2, 700 splits 0-5
+    # 8 splits of 64-token blocks, the longer ranges last: length 1 fills split 7 only, 130 splits 5-7, 700 ranges of
+    # 1 and 2 blocks
     lengths = torch.tensor([1, 130, 700], dtype=torch.int32)
     q, k, v = synthetic_inputs(3, 6, 2, 700, 64, torch.float32, CPU, seed=17)
     out, lse, steps = art_decode(q, k, v, cache_seqlens=lengths, num_splits=8, block_size=64, return_lse=True,
                                  return_stats=True)
-    assert steps[0, 0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0] and steps[2, 0].tolist() == [2] * 5 + [1, 0, 0]
+    assert steps[0, 0].tolist() == [0] * 7 + [1] and steps[1, 0].tolist() == [0] * 5 + [1] * 3
+    assert steps[2, 0].tolist() == [1] * 5 + [2] * 3
     assert_within_flash_oracle(out, q, k, v, lengths)
     single, single_lse = art_decode(q, k, v, cache_seqlens=lengths, num_splits=1, block_size=64, return_lse=True)
     torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-5)
