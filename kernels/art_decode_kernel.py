@@ -521,7 +521,7 @@ def art_decode_split_kernel(
                                 table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,
                                 stride_v0, stride_vh, stride_vt, score_log2,
                                 BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PEEL_TAIL)
-        visited = tl.maximum(end - start, 0)
+        visited = end - start
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
     has_mass = l > 0.0
