@@ -5,7 +5,7 @@ For one query head with split partials ``o_s [D]`` (normalised) and ``lse_s``::
     w_s = exp(lse_s - max_s lse_s);  out = sum_s w_s o_s / sum_s w_s;  lse = max + log(sum_s w_s)
 
 Empty splits carry ``lse_s = -inf`` and weigh 0.  When the ``(b, kv_head)`` *converged* flag
-is set, the leader split (split 0) stopped the walk and only its partial is kept: the
+(a bit of its arrival counter) is set, the leader split (split 0) stopped the walk and only its partial is kept: the
 followers' blocks lie after the stop step in the traversal order.
 
 :func:`combine_group` runs inside the split kernel, in the program of a ``(b, kv_head)``

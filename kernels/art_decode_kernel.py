@@ -27,7 +27,8 @@ its whole group can be done (a head that is not done needs ``patience - count`` 
 steps, counted from ``first_counted``; a shorter chunk is always safe, so it is clamped to
 ``HORIZON_CAP``).  Its group can therefore be done only at the last step of a chunk: it stops
 there, with the state of its stop step, having computed and loaded no block past it, and it
-raises the ``(b, kv_head)`` *converged* flag in global memory.  Follower splits run the same
+raises the ``(b, kv_head)`` *converged* flag: bit ``CONVERGED`` of the pair's arrival counter (below), so
+that the program arriving last learns it from its own arrival.  Follower splits run the same
 monitored step with a patience out of reach (their monitor never stops them and is discarded, so
 that in a walk that does not stop every program takes the same time per block), in chunks of
 ``ART_CHUNK`` steps (a rest of their range shorter than two chunks is one chunk), poll that flag after
@@ -38,9 +39,9 @@ Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
 ``part_out [B, Hq, splits, D]`` and ``part_lse [B, Hq, splits]`` (fp32; ``-inf`` and zeros for
 an empty range) and increments the ``(b, kv_head)``'s arrival counter (``arrivals [B * Hkv]``,
-zero on entry); the program that arrives last merges the group's partials into ``out`` and
-``lse`` (``kernels.art_decode_combine.combine_group``) and resets the counter and the
-converged flag to 0 (``kernels.art_decode``, *one launch*).  Every program writes
+zero on entry; arrivals count below ``CONVERGED``, the flag adds ``CONVERGED``); the program that arrives
+last merges the group's partials into ``out`` and ``lse`` (``kernels.art_decode_combine.combine_group``)
+and resets the word, counter and flag, to 0 (``kernels.art_decode``, *one launch*).  Every program writes
 ``steps [B, Hkv, splits]`` (int32): the steps whose blocks entered its state (the leader's
 stop step + 1 when it stopped), which are the blocks it loaded.
 """
@@ -53,6 +54,7 @@ from .art_decode_combine import combine_group
 
 
 HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this many steps (ART walks are no longer)
+CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival counter (splits are fewer)
 
 
 @triton.jit
@@ -351,19 +353,20 @@ def _monitored_steps(q, m, l, acc, norm, count, done, first, last, num_blocks, b
 
 @triton.jit
 def _read_flag(ptr):
-    """The converged flag at ``ptr``, the same value in every warp of the program.
+    """Whether the converged flag is raised in the arrival counter at ``ptr`` (int32, 0 or 1), the same value in
+    every warp of the program.
 
     A scalar ``tl.load`` is issued by every thread, and warps that read it on either side of the
     leader's store would leave the walk at different chunks, so that the program's barriers no
     longer pair up (wrong partial results, or a hang with the descriptor pipeline).  A scalar
     atomic is executed by one thread and broadcast to the program."""
-    return tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+    return (tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") >= CONVERGED).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["uniform_len"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, flag_ptr, arrivals_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr,
         sm_scale, tau, phi, patience, first_counted,
         num_kv_heads, num_splits, uniform_len,
         stride_qb, stride_qh,
@@ -510,11 +513,12 @@ def art_decode_split_kernel(
             visited += chunk_end - step
             step = chunk_end
             if not SINGLE_SPLIT:
-                # the leader raises the flag and never reads it (its own done bits decide); followers poll it
+                # the leader raises the flag and never reads it (its own done bits decide); followers poll it.
+                # The leader's add precedes its own arrival on the same word, so the last arrival sees it.
                 if is_leader:
-                    tl.store(flag_ptr + bh, 1, mask=group_done != 0)
+                    tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
                 else:
-                    converged = _read_flag(flag_ptr + bh)
+                    converged = _read_flag(arrivals_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
     else:
         m, l, acc = _dense_walk(q, m, l, acc, start, end, tail, num_blocks, b, kv_head, seqlen, k_src, v_src,
@@ -539,16 +543,18 @@ def art_decode_split_kernel(
         tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
         # Arrival: every thread's partial stores are ordered before the counter increment (CTA
         # barrier, then a gpu-scope release); the program that arrives last acquires the others'
-        # partials through the same atomic, merges the group and puts the counter (and the
-        # converged flag) back to 0 for the next launch.
+        # partials through the same atomic, merges the group and puts the word (counter and
+        # converged flag) back to 0 for the next launch.  Its atomic returns the flag with the count:
+        # no second round trip before the combine (a flag word apart cost one; V35).
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if ART:
+            converged = arrived >= CONVERGED
+            arrived = arrived & (CONVERGED - 1)
         if arrived == num_splits - 1:
             kept_splits = num_splits
             if ART:
-                # read and reset in one atomic: a separate reset could land before another warp's read
-                converged = tl.atomic_xchg(flag_ptr + bh, 0, sem="relaxed", scope="gpu")
-                kept_splits = tl.where(converged == 0, num_splits, 1)
+                kept_splits = tl.where(converged, 1, num_splits)
             combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
                           num_kv_heads, num_splits, stride_ob, stride_oh,
                           GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
