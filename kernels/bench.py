@@ -29,7 +29,9 @@ plain call, which also pays the host-side launch cost of the Python launcher).  
 one shape are taken in ``ROUNDS`` interleaved rounds (every implementation once per round, in the
 same order) and ``ms`` is the median over the rounds (``ms_rounds`` keeps each), so that a drift of
 the card during a shape (clocks, power cap) reaches every implementation alike: one-pass full runs
-had shown single rows 6-20 % slow that were not slow when repeated.
+had shown single rows 6-20 % slow that were not slow when repeated.  Where NVML can be read, each row
+also keeps the SM clock and power draw read as each of its rounds ends (``sm_mhz_rounds``,
+``power_w_rounds``), so that a round slow on a throttled card can be told from a slow kernel.
 
 KV caches are structured (sink, recency, heavy hitters: a ``make_cache`` callable such as
 ``art_analysis.synthetic.synthetic_cache``, passed in by the CLI since ``kernels`` imports
@@ -82,7 +84,7 @@ from tqdm.auto import tqdm
 from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode,
                          choose_num_splits, dense_walk_ends_first, leader_can_stop, leader_splits)
 from .art_params import ARTParams
-from .device_info import num_sms
+from .device_info import clock_and_power, num_sms
 from .paged_cache import to_paged
 from .results_io import write_json_atomic
 from .walk_model import shared_bandwidth_ms
@@ -315,7 +317,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))
     extras["art_calibrated"]["longest_stop_steps"] = longest
-    results = _time_interleaved(calls, rep_ms, rounds)
+    results = _time_interleaved(calls, rep_ms, rounds, q.device)
     rows = []
     for impl, result in results.items():
         row = {**base, "impl": impl, **result, **extras.get(impl, {})}
@@ -357,10 +359,13 @@ def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element
                                bandwidth_tb_per_s=bandwidth_tb_per_s, slots=SMALL_BLOCK_PROGRAMS_PER_SM * sms)
 
 
-def _time_interleaved(calls: dict, rep_ms: int, rounds: int) -> dict[str, dict]:
+def _time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device) -> dict[str, dict]:
     """``{impl: {"ms", "ms_rounds", "eager_ms", "timing"} or {"error"}}`` for zero-argument callables
     (a string value is an error recorded in place of a callable).  Each callable runs and is timed
-    eagerly once; its CUDA-graph time is then taken once per round, every callable in each round."""
+    eagerly once; its CUDA-graph time is then taken once per round, every callable in each round.  Where
+    NVML can be read, ``sm_mhz_rounds`` and ``power_w_rounds`` hold the SM clock and power draw read as each
+    round's timing ends (:func:`kernels.device_info.clock_and_power`), to tell a slow round on a throttled
+    card from a slow kernel."""
     results, graphed = {}, []
     for impl, fn in calls.items():
         if isinstance(fn, str):
@@ -376,6 +381,7 @@ def _time_interleaved(calls: dict, rep_ms: int, rounds: int) -> dict[str, dict]:
             continue
         try:
             results[impl].update(ms_rounds=[graph_ms(fn, rep_ms)], timing="cuda_graph")
+            _record_clock(results[impl], device)
             graphed.append(impl)
         except Exception as exc:  # not capturable: keep the eager time and say why
             results[impl].update(ms=results[impl]["eager_ms"],
@@ -384,9 +390,19 @@ def _time_interleaved(calls: dict, rep_ms: int, rounds: int) -> dict[str, dict]:
     for _ in range(rounds - 1):
         for impl in graphed:
             results[impl]["ms_rounds"].append(graph_ms(calls[impl], rep_ms))
+            _record_clock(results[impl], device)
     for impl in graphed:
         results[impl]["ms"] = statistics.median(results[impl]["ms_rounds"])
     return results
+
+
+def _record_clock(result: dict, device: torch.device) -> None:
+    """Append the device's SM clock and power draw now to ``result``'s ``sm_mhz_rounds`` and ``power_w_rounds``
+    (nothing where NVML cannot be read)."""
+    state = clock_and_power(device)
+    if state is not None:
+        result.setdefault("sm_mhz_rounds", []).append(state["sm_mhz"])
+        result.setdefault("power_w_rounds", []).append(state["power_w"])
 
 
 def _speedups(rows: list[dict]) -> None:
@@ -442,7 +458,7 @@ def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds:
             calls[(impl, size)] = lambda kc=k_cache, vc=v_cache, t=table, r=rule: art_decode(q, kc, vc, block_table=t,
                                                                                              art=r)
         walks[size] = art_decode(q, k_cache, v_cache, block_table=table, art=art, return_stats=True)
-    results = _time_interleaved(calls, rep_ms, rounds)
+    results = _time_interleaved(calls, rep_ms, rounds, q.device)
     rows = []
     for (impl, size), result in results.items():
         row = {**base, "impl": impl, "page_size": size, **result}

@@ -209,6 +209,45 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art_dense"]["speedup_vs_best_peer"] == 8.0 / 9.0
 
 
+def test_interleaved_rounds_record_the_clock_and_power_as_each_round_ends(monkeypatch):
+    import itertools
+
+    import kernels.bench as bench
+
+    clock = itertools.count(1)
+    readings = itertools.count(1)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: float(next(clock)))
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    calls = {"a": lambda: None, "b": lambda: None, "broken": "no kernel"}
+    # each reading follows the timing it belongs to: a's rounds are timings 1, 3, 5 and readings 1, 3, 5
+    monkeypatch.setattr(bench, "clock_and_power", lambda device: (lambda n: {"sm_mhz": 1000 + n, "power_w": n / 2})(
+        next(readings)))
+    results = bench._time_interleaved(calls, 1, 3, torch.device("cuda"))
+    assert results["a"]["ms_rounds"] == [1.0, 3.0, 5.0] and results["a"]["sm_mhz_rounds"] == [1001, 1003, 1005]
+    assert results["b"]["power_w_rounds"] == [1.0, 2.0, 3.0] and results["b"]["ms"] == 4.0
+    assert results["broken"] == {"error": "no kernel"}
+    # no NVML: the rows hold the times alone
+    monkeypatch.setattr(bench, "clock_and_power", lambda device: None)
+    results = bench._time_interleaved(calls, 1, 2, torch.device("cuda"))
+    assert set(results["a"]) == {"eager_ms", "ms_rounds", "timing", "ms"}
+
+
+def test_clock_and_power_reads_nvml_in_megahertz_and_watts(monkeypatch):
+    from kernels.device_info import clock_and_power
+
+    assert clock_and_power(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1980)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 512_500)   # NVML reports milliwatts
+    assert clock_and_power(torch.device("cuda")) == {"sm_mhz": 1980, "power_w": 512.5}
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert clock_and_power(torch.device("cuda")) is None
+
+
 def test_walk_replay_reads_each_walks_blocks_as_one_dense_program():
     from art_analysis.synthetic import synthetic_cache
     from kernels.art_decode import art_decode
