@@ -1,1 +1,2 @@
-"""Analyses of block-wise decode attention: convergence, threshold sensitivity, misalignment."""
+"""Analyses of block-wise decode attention: convergence, threshold sensitivity, misalignment, and whether walks
+keep their lengths across decode steps (``walk_persistence``)."""

@@ -1,0 +1,125 @@
+"""Whether ART's walks keep their lengths from one decode step to the next.
+
+The decode kernel's split rule can be told the longest walk to expect (``longest_stop_steps`` of
+``kernels.art_decode.art_decode``), and a decode loop would take it from its previous step: the longest walk
+of the same layer one token earlier.  This study measures how well that works on a capture:
+
+* :func:`decode_walks`: the blocks that the kernel's single-split program of every ``(layer, b, kv_head)``
+  loads at every decode step, from the simulator's kernel-mode replay
+  (:func:`art_analysis.termination.replay_kernel_walks`; step ``t`` attends to ``C + t + 1`` tokens);
+* :func:`persistence_summary`: how the walks change between consecutive steps (their rank correlation and
+  absolute change), how each layer's longest walk changes, and how often the previous step's longest walk
+  falls on the same side of a split-rule threshold as the current one.
+
+Run ``python -m art_analysis.analysis.walk_persistence CAPTURE`` for the summary of a capture folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..checks import check_int
+from ..termination import ARTConfig, replay_kernel_walks
+
+
+def decode_walks(capture, rule: ARTConfig, *, block_size: int = 64, order: str = "sink_recency",
+                 progress: bool = True) -> torch.Tensor:
+    """``[L, T, B, Hkv]`` int64: the blocks each ``(b, kv_head)`` walk of the capture's ``L`` layers loads at
+    each of its ``T`` decode steps under ``rule`` (``group="all"``, the kernel's rule), in the capture's dtype."""
+    from ..capture import KVCapture
+
+    if not isinstance(capture, KVCapture):
+        raise TypeError(f"capture must be a KVCapture, got {type(capture).__name__}")
+    if capture.decode_steps < 2:
+        raise ValueError(f"a persistence study needs at least 2 decode steps, the capture has {capture.decode_steps}")
+    if not isinstance(rule, ARTConfig) or rule.group != "all":
+        raise ValueError(f"rule must be an ARTConfig with group='all' (the kernel's rule), got {rule!r}")
+    walks = []
+    for layer in tqdm(capture.layers, desc="walks per layer", disable=not progress):
+        q, k, v = capture.layer(layer)
+        steps = []
+        for step in range(capture.decode_steps):
+            length = int(capture.cache_seqlens_for_step(step)[0])
+            steps.append(replay_kernel_walks(q[:, :, step].contiguous(), k[:, :, :length].contiguous(),
+                                             v[:, :, :length].contiguous(), rule, block_size=block_size, order=order))
+        walks.append(torch.stack(steps))
+    return torch.stack(walks)
+
+
+def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> dict:
+    """How the walks ``[L, T, B, Hkv]`` (:func:`decode_walks`) change from step ``t - 1`` to ``t``, over every
+    ``t >= 1``:
+
+    * ``rank_correlation``: Spearman's (ties take their average rank) between each walk at ``t - 1`` and at ``t``,
+      pooled over layers, batch rows, KV heads and steps (``None`` when either side is constant, e.g. walks too
+      short to stop);
+    * ``abs_change_median``, ``abs_change_p90``, ``unchanged_fraction``: the change of each walk, in blocks;
+    * ``longest_rel_change_median``: each layer's longest walk (over its batch rows and KV heads), its change over
+      its current value;
+    * ``longest_grew_fraction``: the ``(layer, t)`` pairs whose longest walk is longer than at ``t - 1``, where a
+      hint taken from the previous step falls short;
+    * ``split_choice_agreement``: for each threshold (blocks), the ``(layer, t)`` pairs whose longest walk lies on
+      the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split rule takes the dense split
+      count when the longest walk reaches its dense walk's length ``ceil(B Hkv N / (2 SMs))``
+      (``kernels.art_decode.dense_walk_ends_first``), so this is how often the previous step's hint leads to the
+      choice that the current walk would."""
+    if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
+        shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__
+        raise ValueError(f"walks must be [layers, steps >= 2, B, Hkv], got {shape}")
+    thresholds = [check_int(t, "threshold", 1) for t in thresholds]
+    walks = walks.long().cpu()
+    before, after = walks[:, :-1].flatten(), walks[:, 1:].flatten()
+    change = (after - before).abs().double()
+    longest = walks.flatten(2).max(dim=2).values
+    prev_longest, cur_longest = longest[:, :-1].flatten(), longest[:, 1:].flatten()
+    constant = before.unique().numel() < 2 or after.unique().numel() < 2   # no rank correlation is defined
+    rank = None if constant else float(pd.Series(before.numpy()).corr(pd.Series(after.numpy()), method="spearman"))
+    return {
+        "layers": walks.shape[0], "steps": walks.shape[1], "walks_per_step": walks.shape[2] * walks.shape[3],
+        "rank_correlation": rank,
+        "abs_change_median": float(change.quantile(0.5)),
+        "abs_change_p90": float(change.quantile(0.9)),
+        "unchanged_fraction": float((change == 0).double().mean()),
+        "longest_rel_change_median": float(((cur_longest - prev_longest).abs() / cur_longest).double().quantile(0.5)),
+        "longest_grew_fraction": float((cur_longest > prev_longest).double().mean()),
+        "split_choice_agreement": {str(t): float(((prev_longest >= t) == (cur_longest >= t)).double().mean())
+                                   for t in thresholds},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("capture", type=Path, help="a capture folder with at least 2 decode steps")
+    parser.add_argument("--thresholds", type=int, nargs="*", default=[],
+                        help="split-rule thresholds in blocks (e.g. 47: B = 32, 3 KV heads, 129 blocks, 132 SMs)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast the capture first (default: as stored); the kernel's benchmark runs bfloat16")
+    parser.add_argument("--out", type=Path, help="write the summary and the walks here (JSON)")
+    args = parser.parse_args(argv)
+    from kernels.results_io import write_json_atomic
+
+    from ..capture import KVCapture
+
+    capture = KVCapture.load(args.capture)
+    if args.dtype is not None:
+        capture = capture.to(dtype=getattr(torch, args.dtype))
+    walks = decode_walks(capture, ARTConfig())
+    summary = persistence_summary(walks, args.thresholds)
+    print(json.dumps(summary, indent=2))
+    if args.out is not None:
+        meta = capture.metadata
+        write_json_atomic(args.out, {"capture": str(args.capture), "model": meta["model"]["name"],
+                                     "source": meta["source"], "context_tokens": meta["context_tokens"],
+                                     "decode_steps": meta["decode_steps"], "dtype": args.dtype or "as stored",
+                                     "rule": repr(ARTConfig()), "summary": summary, "walks": walks.tolist()})
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The walk-persistence study: walks replayed at each decode step's length, and their change between steps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from art_analysis.analysis.walk_persistence import decode_walks, main, persistence_summary
+from art_analysis.termination import ARTConfig, replay_kernel_walks
+
+CONTEXT = 640
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def small_capture(loaded, tmp_path_factory):
+    from art_analysis.capture import capture_kv
+    from art_analysis.corpus import long_text
+
+    text = long_text("stdlib", seed=5, length=CONTEXT, tokenizer=loaded.tokenizer)
+    capture = capture_kv(loaded, text=text, context_tokens=CONTEXT, decode_steps=STEPS,
+                         source={"name": "stdlib", "seed": 5}, progress=False)
+    folder = tmp_path_factory.mktemp("capture") / "small"
+    capture.select(layers=[3, 15]).save(folder)
+    return folder
+
+
+def test_summary_of_hand_made_walks():
+    # [layers 2, steps 3, B 1, Hkv 2]
+    walks = torch.tensor([[[[10, 20]], [[10, 25]], [[12, 25]]],
+                          [[[30, 5]], [[28, 6]], [[40, 6]]]])
+    summary = persistence_summary(walks, thresholds=[26, 25])
+    before = [10, 20, 10, 25, 30, 5, 28, 6]
+    after = [10, 25, 12, 25, 28, 6, 40, 6]
+    assert summary["rank_correlation"] == pytest.approx(spearmanr(before, after).statistic)
+    # changes 0 5 2 0 2 1 12 0
+    assert summary["abs_change_median"] == 1.5
+    assert summary["abs_change_p90"] == pytest.approx(7.1)
+    assert summary["unchanged_fraction"] == 3 / 8
+    # each layer's longest walk: 20 25 25 and 30 28 40
+    assert summary["longest_rel_change_median"] == pytest.approx((2 / 28 + 5 / 25) / 2)
+    assert summary["longest_grew_fraction"] == 0.5
+    assert summary["split_choice_agreement"] == {"26": 1.0, "25": 0.75}
+    assert (summary["layers"], summary["steps"], summary["walks_per_step"]) == (2, 3, 2)
+
+
+def test_summary_rejects_what_it_cannot_compare():
+    with pytest.raises(ValueError, match="steps >= 2"):
+        persistence_summary(torch.zeros(2, 1, 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="layers, steps"):
+        persistence_summary(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="threshold"):
+        persistence_summary(torch.ones(1, 2, 1, 1, dtype=torch.long), thresholds=[0])
+
+
+def test_decode_walks_replay_each_step_at_its_own_length(small_capture):
+    from art_analysis.capture import KVCapture
+
+    capture = KVCapture.load(small_capture)
+    rule = ARTConfig(patience=2)
+    walks = decode_walks(capture, rule, progress=False)
+    assert walks.shape == (2, STEPS, 1, 3) and walks.dtype == torch.int64
+    for i, layer in enumerate(capture.layers):
+        q, k, v = capture.layer(layer)
+        for step in range(STEPS):
+            length = CONTEXT + step + 1
+            expected = replay_kernel_walks(q[:, :, step], k[:, :, :length], v[:, :, :length], rule)
+            assert torch.equal(walks[i, step], expected)
+    with pytest.raises(ValueError, match="group='all'"):
+        decode_walks(capture, ARTConfig(group="head"), progress=False)
+    with pytest.raises(TypeError, match="KVCapture"):
+        decode_walks(object(), rule, progress=False)
+
+
+def test_module_runs_on_a_capture_folder_and_writes_its_json(small_capture, tmp_path, capsys):
+    out = tmp_path / "persistence.json"
+    summary = main([str(small_capture), "--thresholds", "5", "--dtype", "bfloat16", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["summary"] == summary == json.loads(capsys.readouterr().out)
+    assert written["dtype"] == "bfloat16" and torch.tensor(written["walks"]).shape == (2, STEPS, 1, 3)
+    assert (written["context_tokens"], written["decode_steps"], written["source"]["seed"]) == (CONTEXT, STEPS, 5)
+    assert set(summary["split_choice_agreement"]) == {"5"}
+    # 641-643 tokens are 11 blocks, short of ARTConfig()'s earliest stop (17): every walk is whole, so no rank
+    assert written["walks"] == [[[[11] * 3]] * STEPS] * 2
+    assert summary["rank_correlation"] is None and summary["unchanged_fraction"] == 1.0
