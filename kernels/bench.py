@@ -159,31 +159,36 @@ def tile_batch(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Ten
 
 def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A captured layer (safetensors ``k, v [1, Hkv, S0, D]``, ``decode_q [1, Hq, steps, D]``) tiled to
-    ``seqlen`` tokens; batch row ``b`` uses decode query ``b % steps``."""
+    """A captured layer (safetensors ``k, v [B0, Hkv, S0, D]``, ``decode_q [B0, Hq, steps, D]``: ``B0`` captured
+    sequences) tiled to ``seqlen`` tokens; batch row ``b`` uses sequence ``b % B0`` and its decode query
+    ``(b // B0) % steps``."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
     k, v, decode_q = tensors["k"], tensors["v"], tensors["decode_q"]
     reps = -(-seqlen // k.shape[2])
     k, v = (x.repeat(1, 1, reps, 1)[:, :, :seqlen].to(device=device, dtype=torch.bfloat16) for x in (k, v))
-    steps = decode_q.shape[2]
-    q = decode_q[0, :, torch.arange(batch) % steps].permute(1, 0, 2).to(device=device, dtype=torch.bfloat16)
-    return q.contiguous(), k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()
+    rows = torch.arange(batch)
+    sequence, step = rows % decode_q.shape[0], (rows // decode_q.shape[0]) % decode_q.shape[2]
+    q = decode_q[sequence, :, step].to(device=device, dtype=torch.bfloat16)
+    sequence = sequence.to(device)
+    return q.contiguous(), k[sequence].contiguous(), v[sequence].contiguous()
 
 
 def capture_queries(path: str | os.PathLike) -> int:
-    """The decode queries of a captured layer (``decode_q [1, Hq, steps, D]``): its distinct batch rows when tiled."""
+    """The decode queries of a captured layer (``decode_q [B0, Hq, steps, D]``), ``B0 * steps``: its distinct batch
+    rows when tiled (:func:`tiled_capture`)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as tensors:
-        return tensors.get_slice("decode_q").get_shape()[2]
+        sequences, _, steps, _ = tensors.get_slice("decode_q").get_shape()
+        return sequences * steps
 
 
 def distinct_inputs(data: str, seqlen: int, device: torch.device, make_cache: Callable,
                     capture: str | os.PathLike | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` of the distinct batch rows of a benchmark input (a batch tiles them cyclically): the two
-    structured sequences for ``data == "synthetic"``, else one row per decode query of the captured layer."""
+    structured sequences for ``data == "synthetic"``, else one row per decode query of each sequence of the captured layer."""
     if data == "synthetic":
         return structured_sequences(make_cache, seqlen, device)
     return tiled_capture(capture, capture_queries(capture), seqlen, device)

@@ -335,6 +335,32 @@ def test_capture_queries_reads_the_decode_steps_of_a_captured_layer():
     assert capture_queries(Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors") == 8
 
 
+def test_tiled_capture_cycles_over_sequences_then_decode_queries(tmp_path):
+    from safetensors.torch import save_file
+
+    from kernels.bench import capture_queries, tiled_capture
+
+    # two sequences of 5 tokens, 3 decode queries each; every value names its sequence, head, position or step
+    k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
+    decode_q = torch.arange(2 * 2 * 3 * 2, dtype=torch.float32).view(2, 2, 3, 2)
+    path = tmp_path / "layer.safetensors"
+    save_file({"k": k, "v": -k, "decode_q": decode_q}, str(path))
+    assert capture_queries(path) == 6
+    q, k_tiled, v_tiled = tiled_capture(path, 7, 12, torch.device("cpu"))
+    assert q.shape == (7, 2, 2) and k_tiled.shape == (7, 1, 12, 2) and q.dtype == torch.bfloat16
+    for b in range(7):
+        sequence, step = b % 2, (b // 2) % 3
+        assert torch.equal(q[b], decode_q[sequence, :, step].bfloat16())
+        tokens = torch.arange(12) % 5                      # the sequence repeated to the length
+        assert torch.equal(k_tiled[b], k[sequence][:, tokens].bfloat16())
+        assert torch.equal(v_tiled[b], -k[sequence][:, tokens].bfloat16())
+    # one captured sequence: row b takes decode query b % steps, as the benchmark's SmolLM2 rows always have
+    save_file({"k": k[:1].clone(), "v": k[:1].clone(), "decode_q": decode_q[:1].clone()}, str(path))
+    q, k_tiled, _ = tiled_capture(path, 4, 5, torch.device("cpu"))
+    assert torch.equal(q, decode_q[0, :, [0, 1, 2, 0]].permute(1, 0, 2).bfloat16())
+    assert torch.equal(k_tiled, k[:1].expand(4, -1, -1, -1).bfloat16())
+
+
 def test_paged_rows_time_each_layout_against_the_contiguous_one(monkeypatch):
     import itertools
 
