@@ -352,6 +352,42 @@ def _monitored_steps(q, m, l, acc, norm, count, done, first, last, num_blocks, b
 
 
 @triton.jit
+def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                    table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0,
+                    stride_vh, stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
+                    PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                    USE_DIRECTION: tl.constexpr, PROBE_ROWS: tl.constexpr, PEEL_TAIL: tl.constexpr):
+    """Steps ``[first, last)`` with the monitor (``_monitored_steps``), as ``_dense_walk`` runs them without: with
+    ``PEEL_TAIL`` the step ``tail`` (``_tail_step``), when in the range, runs between two loops, with V's rows past
+    the length zeroed."""
+    cut = last
+    if PEEL_TAIL:
+        cut = tl.where((tail >= first) & (tail < last), tail, last)
+    m, l, acc, norm, count, done = _monitored_steps(
+        q, m, l, acc, norm, count, done, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+        stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+        first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+        PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
+    if PEEL_TAIL:
+        if cut < last:
+            m, l, acc, norm, count, done = _monitored_steps(
+                q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                USE_DIRECTION, PROBE_ROWS, True)
+            m, l, acc, norm, count, done = _monitored_steps(
+                q, m, l, acc, norm, count, done, cut + 1, last, num_blocks, b, kv_head, seqlen, k_src, v_src,
+                table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
+                SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                USE_DIRECTION, PROBE_ROWS, False)
+    return m, l, acc, norm, count, done
+
+
+@triton.jit
 def _read_flag(ptr):
     """Whether the converged flag is raised in the arrival counter at ``ptr`` (int32, 0 or 1), the same value in
     every warp of the program.
@@ -478,30 +514,12 @@ def art_decode_split_kernel(
             # serialises the step's QK^T MMAs (743 instead of 706 instructions per step, single-split ART
             # 19 % slower; benchmarks/NOTES-art-decode.md, V13).
             if is_leader or not SINGLE_SPLIT:
-                # on page layouts the step that holds the length runs between two loops (_tail_step)
-                cut = chunk_end
-                if PEEL_TAIL:
-                    cut = tl.where((tail >= step) & (tail < chunk_end), tail, chunk_end)
-                m, l, acc, norm, count, done = _monitored_steps(
-                    q, m, l, acc, norm, count, done, step, cut, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                    table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                m, l, acc, norm, count, done = _monitored_walk(
+                    q, m, l, acc, norm, count, done, step, chunk_end, tail, num_blocks, b, kv_head, seqlen, k_src,
+                    v_src, table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
                     stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
                     SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                    USE_DIRECTION, PROBE_ROWS, False)
-                if PEEL_TAIL:
-                    if cut < chunk_end:
-                        m, l, acc, norm, count, done = _monitored_steps(
-                            q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
-                            table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                            stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
-                            SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                            USE_DIRECTION, PROBE_ROWS, True)
-                        m, l, acc, norm, count, done = _monitored_steps(
-                            q, m, l, acc, norm, count, done, cut + 1, chunk_end, num_blocks, b, kv_head, seqlen, k_src,
-                            v_src, table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
-                            stride_vh, stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N,
-                            HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE,
-                            USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
+                    USE_DIRECTION, PROBE_ROWS, PEEL_TAIL)
                 # (derived from the done bits here, not from the next horizon being 0: that placement compiled
                 # the 64-dim multi-split step with serialised MMAs; benchmarks/NOTES-art-decode.md, V14)
                 group_done = tl.min(tl.where(probe_valid, done, 1), 0).to(group_done.dtype)
