@@ -52,6 +52,11 @@ def decode_walks(capture, rule: ARTConfig, *, block_size: int = 64, order: str =
     return torch.stack(walks)
 
 
+def layer_longest(walks: torch.Tensor) -> torch.Tensor:
+    """``[L, T]``: each layer's longest walk (over its batch rows and KV heads) at each step of ``walks [L, T, B, Hkv]``."""
+    return walks.flatten(2).max(dim=2).values
+
+
 def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> dict:
     """How the walks ``[L, T, B, Hkv]`` (:func:`decode_walks`) change from step ``t - 1`` to ``t``, over every
     ``t >= 1``:
@@ -76,7 +81,7 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
     walks = walks.long().cpu()
     before, after = walks[:, :-1].flatten(), walks[:, 1:].flatten()
     change = (after - before).abs().double()
-    longest = walks.flatten(2).max(dim=2).values
+    longest = layer_longest(walks)
     prev_longest, cur_longest = longest[:, :-1].flatten(), longest[:, 1:].flatten()
     constant = before.unique().numel() < 2 or after.unique().numel() < 2   # no rank correlation is defined
     rank = None if constant else float(pd.Series(before.numpy()).corr(pd.Series(after.numpy()), method="spearman"))

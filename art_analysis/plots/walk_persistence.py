@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from ..analysis.walk_persistence import layer_longest
 from .figure_io import save_figure
 
 
@@ -31,7 +32,7 @@ def walk_persistence_figure(result: dict):
                        f"{'undefined' if rank is None else f'{rank:.2f}'})")
     pairs_ax.set_xlabel("blocks loaded at step t - 1")
     pairs_ax.set_ylabel("blocks loaded at step t")
-    longest = walks.flatten(2).max(dim=2).values
+    longest = layer_longest(walks)
     steps = range(walks.shape[1])
     for layer_longest in longest:
         longest_ax.plot(steps, layer_longest, color="tab:blue", alpha=0.35, linewidth=1)
