@@ -34,8 +34,8 @@ def walk_persistence_figure(result: dict):
     pairs_ax.set_ylabel("blocks loaded at step t")
     longest = layer_longest(walks)
     steps = range(walks.shape[1])
-    for layer_longest in longest:
-        longest_ax.plot(steps, layer_longest, color="tab:blue", alpha=0.35, linewidth=1)
+    for walk in longest:
+        longest_ax.plot(steps, walk, color="tab:blue", alpha=0.35, linewidth=1)
     for threshold, agreement in summary["split_choice_agreement"].items():
         longest_ax.axhline(int(threshold), color="red", linestyle="--", linewidth=0.8,
                            label=f"{threshold} blocks: same side as the step before in {agreement:.1%}")
