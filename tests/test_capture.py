@@ -362,3 +362,22 @@ def test_capture_through_eager_attention(loaded):
     for layer in (0, 17):
         for a, b in zip(eager.layer(layer), sdpa.layer(layer)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_model
+def test_cli_batch_captures_one_text_per_seed(loaded, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    out = tmp_path / "batch"
+    argv = ["capture", "--context", "64", "--decode-steps", "2", "--source", "stdlib", "--seed", "5", "--batch", "2",
+            "--out", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    back = KVCapture.load(out)
+    source = back.metadata["source"]
+    assert back.batch_size == 2 and (source["name"], source["seeds"]) == ("stdlib", [5, 6])
+    for row, seed in enumerate((5, 6)):
+        one = capture_kv(loaded, text=long_text("stdlib", seed=seed, length=64, tokenizer=loaded.tokenizer),
+                         context_tokens=64, decode_steps=2, progress=False)
+        assert torch.equal(back.token_ids[row], one.token_ids[0])
+    assert not torch.equal(back.token_ids[0], back.token_ids[1])
+    assert cli_main(argv[:-5] + ["--batch", "0", "--out", str(tmp_path / "none")]) == 2
+    assert "--batch must be >= 1" in capsys.readouterr().err

@@ -4,6 +4,8 @@ Example::
 
     art-analysis capture --model smollm2 --context 8192 --decode-steps 8 --source stdlib \\
         --out captures/stdlib-8k --prefill-layers 0,15,29
+    # eight distinct texts (seeds 1..8), one batch row each
+    art-analysis capture --context 8192 --source stdlib --seed 1 --batch 8 --out captures/stdlib-b8-8k
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def register(subparsers) -> None:
     parser.add_argument("--source", choices=SOURCES, default="stdlib",
                         help="text: long offline text (stdlib, docs) or a retrieval prompt (passkey, niah)")
     parser.add_argument("--seed", type=int, default=0, help="selects the text / the hidden answer (default: 0)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="batch rows, each its own text or prompt: seeds SEED .. SEED+BATCH-1 (default: 1)")
     parser.add_argument("--depth", type=float, default=0.5,
                         help="passkey/niah: where the needle sits in the haystack, 0..1 (default: 0.5)")
     parser.add_argument("--prefill-layers", type=_layer_list, default=[],
@@ -63,14 +67,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     loaded = load_model(args.model)
-    source = {"name": args.source, "seed": args.seed}
+    seeds = list(range(args.seed, args.seed + args.batch))
+    source = {"name": args.source, "seed": args.seed} if args.batch == 1 else {"name": args.source, "seeds": seeds}
     if args.source in PROMPT_BUILDERS:
-        prompt = PROMPT_BUILDERS[args.source](args.context, depth=args.depth, seed=args.seed,
-                                              tokenizer=loaded.tokenizer)
-        inputs = {"prompt": prompt}
+        prompts = [PROMPT_BUILDERS[args.source](args.context, depth=args.depth, seed=seed, tokenizer=loaded.tokenizer)
+                   for seed in seeds]
+        inputs = {"prompt": prompts[0] if args.batch == 1 else prompts}
     else:
-        inputs = {"text": long_text(args.source, seed=args.seed, length=args.context, tokenizer=loaded.tokenizer)}
+        texts = [long_text(args.source, seed=seed, length=args.context, tokenizer=loaded.tokenizer) for seed in seeds]
+        inputs = {"text": texts[0] if args.batch == 1 else texts}
     start = time.perf_counter()
     capture = capture_kv(loaded, context_tokens=args.context, decode_steps=args.decode_steps,
                          prefill_layers=args.prefill_layers, source=source, progress=not args.no_progress, **inputs)
@@ -78,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     out = capture.to(dtype=STORE_DTYPES[args.dtype]).save(args.out, overwrite=args.overwrite)
     print(f"{capture} captured in {elapsed:.1f} s -> {out}")
     if args.source in PROMPT_BUILDERS:
-        generated = loaded.tokenizer.decode(capture.generated_ids[0])
-        print(f"answer {prompt.answer!r} at depth {prompt.achieved_depth:.3f}; model continued with {generated!r}")
+        for row, prompt in enumerate(prompts):
+            generated = loaded.tokenizer.decode(capture.generated_ids[row])
+            print(f"answer {prompt.answer!r} at depth {prompt.achieved_depth:.3f}; model continued with {generated!r}")
     return 0
