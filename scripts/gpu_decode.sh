@@ -3,12 +3,15 @@
 # compute-sanitizer memcheck on a representative run (paged and contiguous, ragged, ART with splits), then the
 # benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
-# and memcheck; SKIP_BENCH=1 stops after them.  The captured layer .carry/smollm2_layer15_ctx8192.safetensors (k, v, decode_q)
-# is benchmarked when present (send it with the device runner's carry).  Make it on the CPU with
+# and memcheck; SKIP_BENCH=1 stops after them.  The captured layer $CAPTURE (default
+# .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it with the device
+# runner's carry).  Make it on the CPU with
 #   art-analysis capture --model smollm2 --context 8192 --decode-steps 8 --source stdlib --out captures/smollm2-8k
 #   python -c "import torch; from safetensors.torch import save_file; from art_analysis.capture import KVCapture;
 #     q, k, v = KVCapture.load('captures/smollm2-8k').select(layers=[15]).layer(15);
 #     save_file({n: x.half().contiguous() for n, x in (('k', k), ('v', v), ('decode_q', q))}, '.carry/smollm2_layer15_ctx8192.safetensors')"
+# A capture of several sequences (art-analysis capture ... --seed 1 --batch 8) gives each batch row of the tiled
+# layer its own sequence (kernels.bench.tiled_capture).
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 figure="${OUT:-figures}/kernel_speed.png"
@@ -57,7 +60,7 @@ elif command -v compute-sanitizer >/dev/null; then
 else
     echo "compute-sanitizer not found" | tee "$out_dir/decode_memcheck.log"
 fi
-capture=.carry/smollm2_layer15_ctx8192.safetensors
+capture=${CAPTURE:-.carry/smollm2_layer15_ctx8192.safetensors}
 extra=()
 [ -f "$capture" ] && extra=(--capture "$capture")
 [ "${QUICK:-0}" = 1 ] && extra+=(--quick)
