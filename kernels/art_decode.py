@@ -265,7 +265,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_num_splits`.
         longest_stop_steps: with ``art`` and the default split count, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
-            ``return_stats``, or the simulator's stop steps on a captured layer (+ 1).  ART takes the dense
+            ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
+            the stats without a sync), or the simulator's stop steps on a captured layer (+ 1).  ART takes the dense
             split count when the dense walk would end within that many lone-walk blocks
             (:func:`dense_walk_ends_first`); default ``ART_STOP_MARGIN`` times the earliest stop.  Unused
             when ``num_splits`` is given or ``art`` is ``None``.

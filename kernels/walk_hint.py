@@ -1,0 +1,84 @@
+"""The longest ART walk of a layer's previous ``art_decode`` call, carried to its next call without a sync.
+
+``art_decode``'s default split rule does not know how long the monitored walks will run; it takes twice the
+earliest possible stop (``ART_STOP_MARGIN``), which fits the synthetic caches and not a real model's layers: on
+8 distinct SmolLM2 sequences at B = 32 x 32k the longest walk runs 349 steps, and a single split took 1.64x the
+dense call (``benchmarks/NOTES-art-decode.md``, V38).  Told the longest walk (``longest_stop_steps``), the rule
+takes the dense split count there, and walks persist from one decode step to the next well enough for the
+previous step's longest walk to give the same choice in 207-210 of 210 (layer, step) pairs of the SmolLM2
+captures (V36, ``art_analysis.analysis.walk_persistence``).  One :class:`LongestWalkHint` per layer carries it::
+
+    hints = [LongestWalkHint() for _ in range(num_layers)]
+    ...                                                          # in each decode step, for each layer
+    out, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[layer].steps, return_stats=True)
+    hints[layer].record(steps)
+
+:meth:`LongestWalkHint.record` reduces the call's ``steps`` to its longest walk on the device and copies
+that one number to pinned host memory without blocking; :attr:`LongestWalkHint.steps` takes the latest record
+whose copy has landed (event queries, never a wait) and otherwise keeps the value before it.  The hint lags by
+as many calls as the host runs ahead of the GPU, and it never stalls the stream.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class LongestWalkHint:
+    """The longest walk (blocks) of the latest recorded ``art_decode`` call of one layer whose stats have reached
+    the host; ``None`` until one has.
+
+    A call's ``steps [B, Hkv, splits]`` (``return_stats``) hold the blocks each program loaded.  With one split
+    that is each ``(b, kv_head)``'s walk.  With several, split 0 (the leader) holds the shortest range,
+    ``N // splits`` of the walk's ``N`` blocks: a leader that stopped loaded its walk, fewer blocks than that;
+    a leader that reached the end of its range without stopping (and every program of a call that ran the dense
+    walk, where no leader could stop) loaded the whole range, the other programs theirs, ``N`` blocks in all.
+    So a pair's walk is taken as ``steps.sum(-1)`` where ``steps[..., 0] == steps.sum(-1) // splits`` (a walk
+    that did not stop in the leader's range, counted as all its blocks: at least as long as it is), else as
+    ``steps[..., 0]``; with one split both are the same.  (A leader that stopped could meet that equality by
+    chance through its followers' blocks; the walk then counts as the blocks all of its programs loaded, more
+    than it is, which leans the split rule towards the dense split count, the slower side only where walks are
+    short.)
+    """
+
+    def __init__(self):
+        self._steps: int | None = None
+        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()   # records in stream order
+
+    @property
+    def steps(self) -> int | None:
+        """The longest walk of the latest record whose copy has landed (pass it as ``longest_stop_steps``)."""
+        while self._pending and self._pending[0][1].query():
+            self._steps = int(self._pending.popleft()[0])
+        return self._steps
+
+    def record(self, steps: torch.Tensor) -> None:
+        """Take the longest walk of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``).  On a CUDA
+        device the reduction and a non-blocking copy to pinned memory are queued on the current stream; on the
+        CPU the value is taken at once.  Not inside a CUDA-graph capture (a replay would not record)."""
+        if not isinstance(steps, torch.Tensor) or steps.dim() != 3 or steps.dtype != torch.int32 or steps.numel() == 0:
+            described = (f"{tuple(steps.shape)} {steps.dtype}" if isinstance(steps, torch.Tensor)
+                         else type(steps).__name__)
+            raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
+        longest = longest_walk(steps)
+        if steps.device.type != "cuda":
+            self._pending.clear()
+            self._steps = int(longest)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("LongestWalkHint.record cannot run inside a CUDA-graph capture: its copy to the host "
+                               "would only happen at capture time; a captured call's split count is fixed anyway")
+        value = torch.empty((), dtype=torch.int32, pin_memory=True)
+        value.copy_(longest, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._pending.append((value, landed))
+
+
+def longest_walk(steps: torch.Tensor) -> torch.Tensor:
+    """The longest walk (a 0-dim int32 tensor on ``steps``' device) of a call's ``steps [B, Hkv, splits]``, each
+    pair's walk counted as :class:`LongestWalkHint` describes."""
+    total = steps.sum(-1, dtype=torch.int32)
+    leader = steps[..., 0]
+    return torch.where(leader == total // steps.shape[-1], total, leader).max()

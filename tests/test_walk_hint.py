@@ -1,0 +1,90 @@
+"""`kernels.walk_hint.LongestWalkHint`: what each kind of call's stats tell the split rule, on the CPU
+(interpreter) and, with ``pytest -m gpu``, through the pinned copy that never waits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from art_analysis.synthetic import synthetic_cache
+from art_analysis.termination import ARTConfig
+from kernels.art_decode import art_decode, earliest_stop_steps
+from kernels.walk_hint import LongestWalkHint
+
+ART = ARTConfig().kernel_params()
+
+
+def stats(*programs: list[int]) -> torch.Tensor:
+    """``steps [1, len(programs), splits]`` int32: the blocks each split of each KV head loaded."""
+    return torch.tensor([programs], dtype=torch.int32)
+
+
+def test_records_take_the_longest_walk_a_stopped_leader_or_a_whole_walk():
+    hint = LongestWalkHint()
+    assert hint.steps is None
+    hint.record(stats([40], [12]))                         # one split: the walks
+    assert hint.steps == 40
+    hint.record(stats([3]))                                # however short
+    assert hint.steps == 3
+    hint.record(stats([20, 22, 22, 22], [17, 19, 19, 19]))  # leaders that stopped; followers cut short
+    assert hint.steps == 20
+    hint.record(stats([20, 22, 22, 22], [30, 30, 31, 31]))  # the second leader ran its range: a walk of 122
+    assert hint.steps == 122
+    hint.record(stats([8, 8, 8], [0, 1, 1]))               # a dense call's ranges (and a walk shorter than its splits)
+    assert hint.steps == 24
+
+
+def test_bad_stats_are_refused():
+    hint = LongestWalkHint()
+    with pytest.raises(ValueError, match=r"\[B, Hkv, splits\] int32, got \(1, 2, 1\) torch.int64"):
+        hint.record(stats([5], [6]).long())
+    with pytest.raises(ValueError, match=r"got \(2, 1\)"):
+        hint.record(stats([5], [6])[0])
+    with pytest.raises(ValueError, match="got list"):
+        hint.record([[[5]]])
+    assert hint.steps is None
+
+
+def _inputs(device, dtype, seqlen):
+    cache = synthetic_cache(batch=2, num_q_heads=6, num_kv_heads=2, seqlen=seqlen, head_dim=64, preset="realistic",
+                            seed=11, dtype=dtype, device=device)
+    return cache.q, cache.k, cache.v
+
+
+def test_real_calls_report_their_longest_walk_at_any_split_count():
+    q, k, v = _inputs(torch.device("cpu"), torch.float16, 4096)                     # 64 blocks
+    _, single = art_decode(q, k, v, art=ART, num_splits=1, return_stats=True)
+    walks = single[..., 0]
+    assert 32 > int(walks.min()) and int(walks.max()) > 32                          # some stop in a half, some not
+    hint = LongestWalkHint()
+    hint.record(single)
+    assert hint.steps == int(walks.max())
+    _, halves = art_decode(q, k, v, art=ART, num_splits=2, return_stats=True)       # leader scheme, ranges of 32
+    stopped = walks < 32
+    assert torch.equal(halves[..., 0][stopped], walks[stopped])
+    hint.record(halves)
+    assert hint.steps == 64                                                         # a leader ran its whole range
+    hint.record(halves[stopped][None])                                              # the pairs whose leader stopped
+    assert hint.steps == int(walks[stopped].max())
+    patient = ARTConfig(tau=1e9, phi=2.0, patience=30).kernel_params()              # stable at once, 31 > 64 / 3
+    _, dense = art_decode(q, k, v, art=patient, num_splits=3, return_stats=True)    # runs the dense walk
+    hint.record(dense)
+    assert hint.steps == 64
+
+
+@pytest.mark.gpu
+def test_gpu_record_lands_without_a_wait_and_refuses_a_capture():
+    device = torch.device("cuda")
+    q, k, v = _inputs(device, torch.bfloat16, 32768)
+    hint = LongestWalkHint()
+    walks = []
+    for _ in range(3):
+        _, steps = art_decode(q, k, v, art=ART, num_splits=1, longest_stop_steps=hint.steps, return_stats=True)
+        hint.record(steps)
+        walks.append(int(steps[..., 0].max()))
+    torch.cuda.synchronize()
+    assert hint.steps == walks[-1] and earliest_stop_steps(ART) <= walks[-1] < 512
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            _, steps = art_decode(q, k, v, art=ART, num_splits=1, return_stats=True)
+            hint.record(steps)
