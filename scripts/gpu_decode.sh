@@ -5,13 +5,11 @@
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
 # and memcheck; SKIP_BENCH=1 stops after them.  The captured layer $CAPTURE (default
 # .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it with the device
-# runner's carry).  Make it on the CPU with
-#   art-analysis capture --model smollm2 --context 8192 --decode-steps 8 --source stdlib --out captures/smollm2-8k
-#   python -c "import torch; from safetensors.torch import save_file; from art_analysis.capture import KVCapture;
-#     q, k, v = KVCapture.load('captures/smollm2-8k').select(layers=[15]).layer(15);
-#     save_file({n: x.half().contiguous() for n, x in (('k', k), ('v', v), ('decode_q', q))}, '.carry/smollm2_layer15_ctx8192.safetensors')"
-# A capture of several sequences (art-analysis capture ... --seed 1 --batch 8) gives each batch row of the tiled
-# layer its own sequence (kernels.bench.tiled_capture).
+# runner's carry).  A capture folder stored in float16 holds such files, one per layer; make one on the CPU with
+#   art-analysis capture --context 8192 --decode-steps 8 --source stdlib --dtype float16 --out captures/smollm2-8k
+#   cp captures/smollm2-8k/layer_015.safetensors .carry/smollm2_layer15_ctx8192.safetensors
+# A capture of several sequences (add --seed 1 --batch 8) gives each batch row of the tiled layer its own
+# sequence (kernels.bench.tiled_capture).
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 figure="${OUT:-figures}/kernel_speed.png"

@@ -22,7 +22,8 @@ def register(subparsers) -> None:
                         help="decode speed figure")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--capture", type=Path, default=None,
-                        help="decode: a captured layer (safetensors k, v, decode_q) to benchmark tiled to length")
+                        help="decode: a captured layer to benchmark tiled to length: a layer_NNN.safetensors file "
+                             "(k, v, decode_q) of a capture folder, e.g. of `art-analysis capture --dtype float16`")
     add_art_options(parser)
     parser.set_defaults(func=run)
 
