@@ -13,8 +13,8 @@ with a cold L2: do_bench flushes it):
   ``kernels.art_decode.leader_can_stop``), and with the given ART thresholds at the default split count
   (``dense_split_count``: whether ART took the dense one, ``kernels.art_decode.dense_walk_ends_first``),
   and again with the split rule told the longest walk (``art_calibrated``: ``longest_stop_steps`` from
-  the stats of one earlier single-split call on the same inputs, as a decode loop would take them from its
-  previous step);
+  the stats of one earlier single-split call on the same inputs; a decode loop has only its previous step's,
+  which :mod:`kernels.bench_decode_loop` times);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
@@ -157,11 +157,11 @@ def tile_batch(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Ten
     return tuple(x[rows].contiguous() for x in tensors)
 
 
-def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int, device: torch.device,
+                  step: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A captured layer (safetensors ``k, v [B0, Hkv, S0, D]``, ``decode_q [B0, Hq, steps, D]``: ``B0`` captured
     sequences) tiled to ``seqlen`` tokens; batch row ``b`` uses sequence ``b % B0`` and its decode query
-    ``(b // B0) % steps``."""
+    ``(b // B0) % steps``, or decode query ``step`` in every row when it is given."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -169,20 +169,26 @@ def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int,
     reps = -(-seqlen // k.shape[2])
     k, v = (x.repeat(1, 1, reps, 1)[:, :, :seqlen].to(device=device, dtype=torch.bfloat16) for x in (k, v))
     rows = torch.arange(batch)
-    sequence, step = rows % decode_q.shape[0], (rows // decode_q.shape[0]) % decode_q.shape[2]
-    q = decode_q[sequence, :, step].to(device=device, dtype=torch.bfloat16)
+    sequence = rows % decode_q.shape[0]
+    queries = (rows // decode_q.shape[0]) % decode_q.shape[2] if step is None else torch.full_like(rows, step)
+    q = decode_q[sequence, :, queries].to(device=device, dtype=torch.bfloat16)
     sequence = sequence.to(device)
     return q.contiguous(), k[sequence].contiguous(), v[sequence].contiguous()
+
+
+def decode_query_shape(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """``(B0, Hq, steps, D)`` of a captured layer's ``decode_q``, read from the file's header."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as tensors:
+        return tuple(tensors.get_slice("decode_q").get_shape())
 
 
 def capture_queries(path: str | os.PathLike) -> int:
     """The decode queries of a captured layer (``decode_q [B0, Hq, steps, D]``), ``B0 * steps``: its distinct batch
     rows when tiled (:func:`tiled_capture`)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as tensors:
-        sequences, _, steps, _ = tensors.get_slice("decode_q").get_shape()
-        return sequences * steps
+    sequences, _, steps, _ = decode_query_shape(path)
+    return sequences * steps
 
 
 def distinct_inputs(data: str, seqlen: int, device: torch.device, make_cache: Callable,
@@ -239,7 +245,7 @@ def _peer_fns(q, k, v, flex: bool) -> dict:
     return peers
 
 
-def _loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None)) -> float:
+def loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None)) -> float:
     """KV blocks loaded by the programs of ``splits`` (``art_decode``'s ``steps [B, Hkv, splits]``: a
     program loads exactly the blocks of the steps it visited) over all blocks of full-length sequences
     (block size ``ART_BLOCK_SIZE``)."""
@@ -311,18 +317,18 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
-                                      loaded_fraction=_loaded_fraction(single_steps, seqlen))}
+                                      loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
     for impl, hint in (("art", None), ("art_calibrated", longest)):
         _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        extras[impl] = dict(num_splits=steps.shape[-1], loaded_fraction=_loaded_fraction(steps, seqlen),
+        extras[impl] = dict(num_splits=steps.shape[-1], loaded_fraction=loaded_fraction(steps, seqlen),
                             dense_split_count=dense_walk_ends_first(batch, kv_heads, blocks, q.device, art, hint),
                             monitor_runs=leader_can_stop(blocks, steps.shape[-1], art),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))
     extras["art_calibrated"]["longest_stop_steps"] = longest
-    results = _time_interleaved(calls, rep_ms, rounds, q.device)
+    results = time_interleaved(calls, rep_ms, rounds, q.device)
     rows = []
     for impl, result in results.items():
         row = {**base, "impl": impl, **result, **extras.get(impl, {})}
@@ -364,7 +370,7 @@ def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element
                                bandwidth_tb_per_s=bandwidth_tb_per_s, slots=SMALL_BLOCK_PROGRAMS_PER_SM * sms)
 
 
-def _time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device) -> dict[str, dict]:
+def time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device) -> dict[str, dict]:
     """``{impl: {"ms", "ms_rounds", "eager_ms", "timing"} or {"error"}}`` for zero-argument callables
     (a string value is an error recorded in place of a callable).  Each callable runs and is timed
     eagerly once; its CUDA-graph time is then taken once per round, every callable in each round.  Where
@@ -433,8 +439,8 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     for label, splits in (("art_single_split", 1), ("art_leader_one_wave", leader)):
         _, steps = art_decode(q, k, v, art=art, num_splits=splits, return_stats=True)
         rows.append({**base, "impl": label, "num_splits": steps.shape[-1],
-                     "loaded_fraction": _loaded_fraction(steps, seqlen),
-                     "leader_loaded_fraction": _loaded_fraction(steps, seqlen, slice(0, 1)),
+                     "loaded_fraction": loaded_fraction(steps, seqlen),
+                     "leader_loaded_fraction": loaded_fraction(steps, seqlen, slice(0, 1)),
                      "ms": graph_ms(lambda splits=splits: art_decode(q, k, v, art=art, num_splits=splits), rep_ms)})
     for block_size in (64, 128):
         for splits in SPLIT_SWEEP:
@@ -463,7 +469,7 @@ def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds:
             calls[(impl, size)] = lambda kc=k_cache, vc=v_cache, t=table, r=rule: art_decode(q, kc, vc, block_table=t,
                                                                                              art=r)
         walks[size] = art_decode(q, k_cache, v_cache, block_table=table, art=art, return_stats=True)
-    results = _time_interleaved(calls, rep_ms, rounds, q.device)
+    results = time_interleaved(calls, rep_ms, rounds, q.device)
     rows = []
     for (impl, size), result in results.items():
         row = {**base, "impl": impl, "page_size": size, **result}
@@ -474,7 +480,7 @@ def bench_paged(q, k, v, *, art: ARTParams, rep_ms: int, ceiling: float, rounds:
                 row["over_contiguous"] = row["ms"] / contiguous["ms"]
         if impl == "art":
             out, steps = walks[size]
-            row.update(loaded_fraction=_loaded_fraction(steps, seqlen), num_splits=steps.shape[-1],
+            row.update(loaded_fraction=loaded_fraction(steps, seqlen), num_splits=steps.shape[-1],
                        equals_contiguous=bool(torch.equal(out, walks[None][0]) and torch.equal(steps, walks[None][1])))
         rows.append(row)
     return rows

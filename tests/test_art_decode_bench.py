@@ -186,7 +186,7 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     _, hinted = bench.art_decode(q, k, v, art=ARTParams(), longest_stop_steps=calibrated["longest_stop_steps"],
                                  return_stats=True)
     assert calibrated["num_splits"] == hinted.shape[-1]
-    assert calibrated["loaded_fraction"] == bench._loaded_fraction(hinted, 256)
+    assert calibrated["loaded_fraction"] == bench.loaded_fraction(hinted, 256)
     assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 9.0 + 0.010
     # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
@@ -223,13 +223,13 @@ def test_interleaved_rounds_record_the_clock_and_power_as_each_round_ends(monkey
     # each reading follows the timing it belongs to: a's rounds are timings 1, 3, 5 and readings 1, 3, 5
     monkeypatch.setattr(bench, "clock_and_power", lambda device: (lambda n: {"sm_mhz": 1000 + n, "power_w": n / 2})(
         next(readings)))
-    results = bench._time_interleaved(calls, 1, 3, torch.device("cuda"))
+    results = bench.time_interleaved(calls, 1, 3, torch.device("cuda"))
     assert results["a"]["ms_rounds"] == [1.0, 3.0, 5.0] and results["a"]["sm_mhz_rounds"] == [1001, 1003, 1005]
     assert results["b"]["power_w_rounds"] == [1.0, 2.0, 3.0] and results["b"]["ms"] == 4.0
     assert results["broken"] == {"error": "no kernel"}
     # no NVML: the rows hold the times alone
     monkeypatch.setattr(bench, "clock_and_power", lambda device: None)
-    results = bench._time_interleaved(calls, 1, 2, torch.device("cuda"))
+    results = bench.time_interleaved(calls, 1, 2, torch.device("cuda"))
     assert set(results["a"]) == {"eager_ms", "ms_rounds", "timing", "ms"}
 
 
@@ -359,6 +359,9 @@ def test_tiled_capture_cycles_over_sequences_then_decode_queries(tmp_path):
     q, k_tiled, _ = tiled_capture(path, 4, 5, torch.device("cpu"))
     assert torch.equal(q, decode_q[0, :, [0, 1, 2, 0]].permute(1, 0, 2).bfloat16())
     assert torch.equal(k_tiled, k[:1].expand(4, -1, -1, -1).bfloat16())
+    # one decode step for every row: a decode loop's step
+    q, _, _ = tiled_capture(path, 3, 5, torch.device("cpu"), step=2)
+    assert torch.equal(q, decode_q[0, :, 2].expand(3, -1, -1).bfloat16())
 
 
 def test_paged_rows_time_each_layout_against_the_contiguous_one(monkeypatch):
@@ -385,7 +388,7 @@ def test_paged_rows_time_each_layout_against_the_contiguous_one(monkeypatch):
     assert by_key[("art", 16)]["over_contiguous"] == 4.0 / 2.0
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
     for size in (None, 16, 64):
-        assert by_key[("art", size)]["loaded_fraction"] == bench._loaded_fraction(steps, 256)
+        assert by_key[("art", size)]["loaded_fraction"] == bench.loaded_fraction(steps, 256)
         assert by_key[("art", size)]["equals_contiguous"] is True
     assert bench.paged_summary(rows) == {
         "paged_art_dense_over_contiguous_max": 5.0, "paged_art_dense_over_contiguous_min": 3.0,
@@ -411,3 +414,57 @@ def test_paged_rows_report_a_walk_that_differs_from_the_contiguous_one(monkeypat
     rows = bench.bench_paged(cache.q, cache.k, cache.v, art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=1)
     assert [r["equals_contiguous"] for r in rows if r["impl"] == "art" and r["page_size"]] == [False, False]
     assert bench.paged_summary(rows)["paged_art_walks_equal_contiguous"] == "0/2"
+
+
+def test_decode_loop_tells_each_step_the_previous_steps_longest_walk(monkeypatch, tmp_path):
+    import itertools
+
+    from safetensors.torch import save_file
+
+    import kernels.bench as bench
+    import kernels.bench_decode_loop as loop
+    from art_analysis.synthetic import synthetic_cache
+    from kernels.art_params import ARTParams
+    from kernels.walk_hint import longest_walk
+
+    # two captured sequences of 700 tokens, three decode queries each
+    cache = synthetic_cache(batch=2, num_q_heads=6, num_kv_heads=2, seqlen=700, head_dim=64, seed=5)
+    noise = torch.Generator().manual_seed(0)
+    decode_q = torch.stack([cache.q + step * torch.randn(cache.q.shape, generator=noise) for step in range(3)], dim=2)
+    path = tmp_path / "layer_015.safetensors"
+    save_file({"k": cache.k.half(), "v": cache.v.half(), "decode_q": decode_q.half()}, str(path))
+    # the interpreter's bf16 dot is wrong: walk the tiled layer in fp16
+    monkeypatch.setattr(loop, "tiled_capture", lambda *args, **kwargs: tuple(
+        x.half() for x in bench.tiled_capture(*args, **kwargs)))
+    clock = itertools.count(1)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: float(next(clock)))
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    art = ARTParams(tau=1e-2, phi=1e-3, patience=2)
+    cpu = torch.device("cpu")
+    rows = loop.decode_loop(path, 4, 2048, art=art, rep_ms=1, device=cpu, rounds=2)
+    assert [(r["step"], r["impl"]) for r in rows] == [(s, impl) for s in range(3) for impl in loop.IMPLS]
+    by_key = {(r["step"], r["impl"]): r for r in rows}
+    # each step's four calls are timed in two interleaved rounds: 4 graph times, then 4 more
+    for step in range(3):
+        for i, impl in enumerate(loop.IMPLS):
+            assert by_key[(step, impl)]["ms_rounds"] == [8.0 * step + 1 + i, 8.0 * step + 5 + i]
+    assert by_key[(0, "art_previous_step")]["longest_stop_steps"] is None
+    for step in range(3):
+        q, k, v = (x.half() for x in bench.tiled_capture(path, 4, 2048, cpu, step=step))
+        _, single = bench.art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
+        assert by_key[(step, "art_calibrated")]["longest_stop_steps"] == int(single[..., 0].max())
+        told = by_key[(step, "art_previous_step")]["longest_stop_steps"]
+        _, steps = bench.art_decode(q, k, v, art=art, longest_stop_steps=told, return_stats=True)
+        assert by_key[(step, "art_previous_step")]["num_splits"] == steps.shape[-1]
+        assert by_key[(step, "art_previous_step")]["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
+        if step < 2:   # the next step is told this step's longest walk
+            assert by_key[(step + 1, "art_previous_step")]["longest_stop_steps"] == int(longest_walk(steps))
+    assert len({by_key[(s, "art_calibrated")]["longest_stop_steps"] for s in range(3)}) > 1   # the walks move
+    summary = loop.loop_summary(rows)
+    assert summary["total_ms"]["art_dense"] == sum(by_key[(s, "art_dense")]["ms"] for s in range(3))
+    assert summary["previous_step_over_dense"] == summary["total_ms"]["art_previous_step"] / summary["total_ms"][
+        "art_dense"]
+    assert summary["previous_step_same_splits"] == sum(
+        by_key[(s, "art_previous_step")]["num_splits"] == by_key[(s, "art_calibrated")]["num_splits"]
+        for s in range(3)) and summary["steps"] == 3

@@ -1,4 +1,5 @@
-"""`art-analysis bench`: GPU speed benchmarks (decode: the ART kernel vs dense peers; FlexPrefill)."""
+"""`art-analysis bench`: GPU speed benchmarks (decode: the ART kernel vs dense peers; decode-loop: ART over a captured
+layer's decode steps, each told the previous step's longest walk; FlexPrefill)."""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +11,15 @@ from pathlib import Path
 
 from .art_options import add_art_options, art_config_from_args
 
-SUITES = ("decode", "flexprefill", "all")
+SUITES = ("decode", "decode-loop", "flexprefill", "all")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="GPU speed benchmarks (decode kernel, FlexPrefill)",
                                    description=__doc__)
-    parser.add_argument("--suite", choices=SUITES, default="decode")
+    parser.add_argument("--suite", choices=SUITES, default="decode",
+                        help="decode (default), decode-loop (needs --capture), flexprefill, or all (decode-loop "
+                             "only with --capture)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON results")
     parser.add_argument("--figure", type=Path, default=Path("figures/kernel_speed.png"),
                         help="decode speed figure")
@@ -37,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.capture is not None and not args.capture.is_file():
         raise FileNotFoundError(f"--capture {args.capture} is not a file")
+    if args.suite == "decode-loop" and args.capture is None:
+        raise ValueError("--suite decode-loop replays a captured layer's decode steps: pass --capture "
+                         "(a capture folder's layer_NNN.safetensors)")
+    config = art_config_from_args(args)
     summaries = {}
     if args.suite in ("decode", "all"):
         from kernels.bench import run as run_decode
@@ -45,11 +52,15 @@ def run(args: argparse.Namespace) -> int:
         from ..synthetic import synthetic_cache
         from ..termination import replay_kernel_walks
 
-        config = art_config_from_args(args)
         payload = run_decode(args.out, args.quick, art=config.kernel_params(), make_cache=synthetic_cache,
                              capture=args.capture, replay=functools.partial(replay_kernel_walks, rule=config))
         plot_kernel_speed(payload, args.figure)
         summaries["decode"] = payload["summary"]
+    if args.suite == "decode-loop" or (args.suite == "all" and args.capture is not None):
+        from kernels.bench_decode_loop import run as run_decode_loop
+
+        summaries["decode-loop"] = run_decode_loop(args.out, args.capture, art=config.kernel_params(),
+                                                   quick=args.quick)["summary"]
     if args.suite in ("flexprefill", "all"):
         if importlib.util.find_spec("kernels.bench_flexprefill") is None:
             raise ImportError("the flexprefill suite needs kernels/bench_flexprefill.py")
