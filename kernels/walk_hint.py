@@ -33,15 +33,14 @@ class LongestWalkHint:
 
     A call's ``steps [B, Hkv, splits]`` (``return_stats``) hold the blocks each program loaded.  With one split
     that is each ``(b, kv_head)``'s walk.  With several, split 0 (the leader) holds the shortest range,
-    ``N // splits`` of the walk's ``N`` blocks: a leader that stopped loaded its walk, fewer blocks than that;
+    ``N // splits`` of the walk's ``N`` blocks: a leader that stopped loaded its walk, at most that many blocks;
     a leader that reached the end of its range without stopping (and every program of a call that ran the dense
     walk, where no leader could stop) loaded the whole range, the other programs theirs, ``N`` blocks in all.
     So a pair's walk is taken as ``steps.sum(-1)`` where ``steps[..., 0] == steps.sum(-1) // splits`` (a walk
     that did not stop in the leader's range, counted as all its blocks: at least as long as it is), else as
-    ``steps[..., 0]``; with one split both are the same.  (A leader that stopped could meet that equality by
-    chance through its followers' blocks; the walk then counts as the blocks all of its programs loaded, more
-    than it is, which leans the split rule towards the dense split count, the slower side only where walks are
-    short.)
+    ``steps[..., 0]``; with one split both are the same.  (A leader that stopped on its range's last block, or
+    whose followers' blocks happen to meet that equality, counts the same way: more blocks than its walk, which
+    leans the split rule towards the dense split count, the slower side only where walks are short.)
     """
 
     def __init__(self):
