@@ -1,7 +1,10 @@
-"""Saving figures atomically."""
+"""Saving figures atomically, and the command line of a figure drawn from one result JSON."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -32,3 +35,15 @@ def finish_log_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def figure_from_json_main(argv: list[str] | None, description: str, figure: Callable, default_out: Path,
+                          result_help: str) -> int:
+    """``python -m art_analysis.plots.X RESULT [--out PNG]``: draw ``figure(json of RESULT)`` and save it
+    (:func:`save_figure`); prints the path, returns 0."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("result", type=Path, help=result_help)
+    parser.add_argument("--out", type=Path, default=default_out)
+    args = parser.parse_args(argv)
+    print(save_figure(figure(json.loads(args.result.read_text())), args.out))
+    return 0

@@ -5,15 +5,13 @@ Reads the JSON written by ``python -m art_analysis.analysis.walk_persistence CAP
 """
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
 from ..analysis.walk_persistence import layer_longest
-from .figure_io import save_figure
+from .figure_io import figure_from_json_main
 
 
 def walk_persistence_figure(result: dict):
@@ -53,12 +51,9 @@ def walk_persistence_figure(result: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("result", type=Path, help="JSON of art_analysis.analysis.walk_persistence --out")
-    parser.add_argument("--out", type=Path, default=Path("figures/walk_persistence.png"))
-    args = parser.parse_args(argv)
-    print(save_figure(walk_persistence_figure(json.loads(args.result.read_text())), args.out))
-    return 0
+    return figure_from_json_main(argv, __doc__.splitlines()[0], walk_persistence_figure,
+                                 Path("figures/walk_persistence.png"),
+                                 "JSON of art_analysis.analysis.walk_persistence --out")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""The decode-loop figure: one panel per length, one line per implementation, split counts where they differ."""
+from __future__ import annotations
+
+import json
+
+from art_analysis.plots.decode_loop import STYLES, decode_loop_figure, main
+
+
+def _payload() -> dict:
+    rows = []
+    for step in range(3):
+        rows += [{"step": step, "impl": "art_dense", "ms": 2.0},
+                 {"step": step, "impl": "art", "ms": 3.0 + step, "num_splits": 1},
+                 {"step": step, "impl": "art_previous_step", "ms": 4.0 if step == 0 else 1.5,
+                  "num_splits": 1 if step == 0 else 5},
+                 {"step": step, "impl": "art_calibrated", "ms": 1.5, "num_splits": 5}]
+    summary = {"previous_step_over_dense": 7.0 / 6.0, "default_over_dense": 12.0 / 6.0}
+    return {"device": "GPU", "capture": "layer_015.safetensors", "batch": 32, "date": "2026-12-02T00:00:00",
+            "loops": [{"seqlen": 8192, "rows": rows, "summary": summary},
+                      {"seqlen": 32768, "rows": rows[:4], "summary": summary}]}
+
+
+def test_figure_draws_each_implementation_per_step_and_marks_split_counts_off_the_calibrated_one():
+    fig = decode_loop_figure(_payload())
+    first, second = fig.axes[:2]
+    lines = {line.get_label(): line for line in first.lines}
+    assert set(lines) == {style["label"] for style in STYLES.values()}
+    assert lines[STYLES["art"]["label"]].get_ydata().tolist() == [3.0, 4.0, 5.0]
+    assert lines[STYLES["art_previous_step"]["label"]].get_ydata().tolist() == [4.0, 1.5, 1.5]
+    # the default's three steps and the hint's first step took 1 split where the calibrated call took 5
+    assert sorted(text.get_text() for text in first.texts) == ["1 split"] * 4
+    assert len(second.lines[0].get_xdata()) == 1
+    assert "1.17x dense with the hint, 2.00x without" in first.get_title()
+
+
+def test_module_writes_the_figure_from_the_benchmark_json(tmp_path):
+    source = tmp_path / "loop.json"
+    source.write_text(json.dumps(_payload()))
+    assert main([str(source), "--out", str(tmp_path / "loop.png")]) == 0
+    assert (tmp_path / "loop.png").stat().st_size > 0 and (tmp_path / "loop.pdf").stat().st_size > 0
