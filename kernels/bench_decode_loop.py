@@ -3,8 +3,10 @@
 The decode benchmark (:mod:`kernels.bench`) times every shape on fixed inputs, and its ``art_calibrated`` rows take
 the longest walk of an earlier call on the *same* inputs.  A decode loop has only its previous step's.  This
 benchmark replays a captured layer's decode steps in order (:func:`kernels.bench.tiled_capture` with ``step``:
-batch row ``b`` walks captured sequence ``b % B0`` tiled to the length, with that sequence's query of the step) and
-times, at every step, four calls on the same inputs:
+batch row ``b`` walks captured sequence ``b % B0`` tiled to the length, with that sequence's query of the step; the
+cache is the same ``seqlen`` tokens at every step, where the model's step ``t`` attended to ``C + t + 1``, so at
+``seqlen = C`` the step's newest ``t + 1`` tokens are left out) and times, at every step, four calls on the same
+inputs:
 
 * ``art_dense``: ``art=None`` at its defaults;
 * ``art``: the thresholds at the default split rule (no hint);
