@@ -61,24 +61,55 @@ synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % 
 A lone walk is latency-bound (1.20 us per block at D = 128, 0.94 at D = 64; V26), so a monitored walk that
 must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
-mean walks of 33-41 blocks on the synthetic caches and 73-89 on the SmolLM2 layer).  Hence the default
-(:func:`choose_num_splits`): when the split-K dense walk would end before the longest monitored walk
-(:func:`dense_walk_ends_first`), ART takes the dense split count, the leader scheme over it: about the
-dense time plus the monitor, and few or no blocks saved, since the leader's range is too short to stop
-in (SmolLM2 B = 1, 128k: 0.049 ms at the dense count, 0.064 with the leader scheme over one wave of 44
-splits; V14), or the dense walk itself where the leader's range cannot reach the earliest stop (below).
-A call cannot end before its longest walk, so a walk longer than the dense walk makes one split the
-slower choice.  Only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the
-longest walk of an earlier call on the same layer); by default it is taken as ``ART_STOP_MARGIN`` (2)
-earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at
-8k-128k) but not the SmolLM2 layer, whose longest walks run to 128-242 steps: at B = 32, 8k and 32k
-one split takes 0.137 / 0.250 ms where the dense count takes 0.068 / 0.206 (V16).  Otherwise one split from
-``ART_SINGLE_SPLIT_PROGRAMS`` pairs on (a single walk keeps the whole traffic saving), else the
-leader scheme over one wave of programs.  ``num_splits=1`` forces the single walk.  When even the
-leader's range is shorter than the earliest stop (:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2
-layer at B = 1), no walk can stop and the call runs the dense walk of its split count, without
-the monitor, with the same result bit for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms,
-against 0.073 with one split at 32k; SmolLM2 B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022).
+mean walks of 33-41 blocks on the synthetic caches and 73-89 on the SmolLM2 layer).  A call cannot end before its
+longest walk, and only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the longest
+walk of the layer's previous call, which ``walk_hint`` carries), else it is taken as ``ART_STOP_MARGIN`` (2)
+earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at 8k-128k) but
+not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-128k).  Hence the default
+(:func:`choose_split_plan`): the dense split count, and
+
+* when the split-K dense walk would end before the longest walk (:func:`dense_walk_ends_first`), the leader scheme
+  over it with the followers starting at once: about the dense time plus the monitor, and few or no blocks saved,
+  since the leader's range is too short to stop in, or the dense walk itself where the leader's range cannot reach
+  the earliest stop (below);
+* else **deferred followers** (below) from the longest walk expected: a walk that stops by then is the single walk
+  (its followers load nothing), and one that runs longer is finished by all the pair's programs, so a wrong guess
+  costs the dense walk's time plus the guess instead of the whole walk at the lone pace.
+
+``num_splits=1`` forces the single walk.  When even the leader's range is shorter than the earliest stop
+(:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop and the call
+runs the dense walk of its split count, without the monitor, with the same result bit for bit (V15: B = 1, 8k and
+32k, 0.023 / 0.053 -> 0.021 / 0.050 ms, against 0.073 with one split at 32k; SmolLM2 B = 1, 8k and 32k, 0.016 /
+0.024 -> 0.014 / 0.022).
+
+**Deferred followers** (``follow_step``; ``benchmarks/NOTES-art-decode.md``, V41).  The followers wait (they poll
+the arrival counter, at most ``GATE_POLLS_PER_STEP`` times per follow step, after which they walk anyway, so no
+program waits without end on a leader that is not resident) until the leader either stops (bit ``CONVERGED``: they
+load nothing) or passes its step ``follow_step`` without stopping (bit ``RELEASED``: they walk their ranges as in
+the leader scheme; a released follower's first chunk is short, since its leader may stop a few steps later).  The
+ranges cut the walk past the follow step, and the leader's also holds the steps before it
+(:func:`leader_range`), so that a walk that does not stop ends in every program at once.  The grid is then
+``(B * Hkv, splits)``, so that every leader is dispatched before any follower, one per multiprocessor first, and at
+``D = 128`` it is capped at ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor (:func:`deferred_splits`), since
+the waiting followers hold their shared memory.  H200, ``ARTConfig()``, against the rule it replaced (one split where
+the dense walk would end after 34 blocks; ms, ``-deferred-followers-ab.json``):
+
+=========================================  ============  ==================  ==========
+case                                       one split     deferred followers  dense
+=========================================  ============  ==================  ==========
+SmolLM2 layer, 8 sequences, B = 32, 8k     0.127         0.073 (5 splits)    0.065
+SmolLM2, B = 32, 32k                       0.330         0.153               0.202
+SmolLM2, B = 32, 128k                      0.329         0.365               0.746
+synthetic 32/8, B = 8, 32k                 0.058         0.088 (6 splits)    0.256
+synthetic 32/8, B = 1, 128k                0.049         0.062 (49 splits)   0.138
+synthetic 32/8, B = 8, 128k                0.055         0.085               0.961
+=========================================  ============  ==================  ==========
+
+On the synthetic caches some walks run past 34 blocks (longest 36-42), their followers are released and load a
+first chunk each (loaded fraction 6.7 -> 10.5 % at B = 8, 32k); and the leader of a multi-split call takes
+6-7 us more than the single walk even with its followers idle.  Told the longest walk,
+the plan defers the followers to it: 0.066 / 0.057 / 0.062 ms on those three synthetic rows, the SmolLM2 rows as
+with the dense count (0.064 / 0.160 / 0.327).
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
@@ -231,10 +262,10 @@ PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (it
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
-ART_SINGLE_SPLIT_PROGRAMS = 8
 ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
 ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
+GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -242,7 +273,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
-               return_lse: bool = False, return_stats: bool = False):
+               follow_step: int | None = None, walk_hint=None, return_lse: bool = False, return_stats: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -262,14 +293,20 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
             ``DENSE_BLOCK_SIZE`` (128), or ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold
             128-token blocks whole (:func:`dense_block_size`).
-        num_splits: programs per ``(b, kv_head)``; default :func:`choose_num_splits`.
-        longest_stop_steps: with ``art`` and the default split count, the longest walk expected, in blocks:
+        num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`.
+        longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
             ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
-            the stats without a sync), or the simulator's stop steps on a captured layer (+ 1).  ART takes the dense
-            split count when the dense walk would end within that many lone-walk blocks
-            (:func:`dense_walk_ends_first`); default ``ART_STOP_MARGIN`` times the earliest stop.  Unused
-            when ``num_splits`` is given or ``art`` is ``None``.
+            the stats without a sync), or the simulator's stop steps on a captured layer (+ 1); default
+            ``walk_hint``'s, else ``ART_STOP_MARGIN`` times the earliest stop.  Sets the default follow step
+            (:func:`choose_follow_step`).  Unused when ``follow_step`` is given or ``art`` is ``None``.
+        follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
+            wait until the leader has walked that many blocks without stopping (*deferred followers*, module
+            docstring); 0 starts them at once.  Default: :func:`choose_split_plan`'s when ``num_splits`` is not
+            given, else 0.
+        walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
+            default ``longest_stop_steps``, and this call's walks are recorded into it (with ``art``; not
+            inside a CUDA-graph capture).
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -317,13 +354,27 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if longest_stop_steps is not None and (isinstance(longest_stop_steps, bool)
                                            or not isinstance(longest_stop_steps, int) or longest_stop_steps < 1):
         raise ValueError(f"longest_stop_steps must be a positive int (blocks), got {longest_stop_steps!r}")
+    if follow_step is not None and (isinstance(follow_step, bool) or not isinstance(follow_step, int)
+                                    or follow_step < 0):
+        raise ValueError(f"follow_step must be an int >= 0 (blocks), got {follow_step!r}")
+    if walk_hint is not None:
+        from .walk_hint import LongestWalkHint
+        if not isinstance(walk_hint, LongestWalkHint):
+            raise TypeError(f"walk_hint must be a kernels.walk_hint.LongestWalkHint, got {type(walk_hint).__name__}")
+        if longest_stop_steps is None:
+            longest_stop_steps = walk_hint.steps
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, art, block_size,
-                                       longest_stop_steps=longest_stop_steps)
+        num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
+                                                            head_dim, longest_stop_steps=longest_stop_steps)
+        follow_step = planned_follow_step if follow_step is None else follow_step
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    if art is not None and not leader_can_stop(max_steps, num_splits, art):
+    if art is None or num_splits == 1 or follow_step is None:
+        follow_step = 0
+    monitored = art is not None
+    if art is not None and not leader_can_stop(max_steps, num_splits, art, follow_step):
         art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
+        follow_step = 0
 
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
     lse = _scratch((batch, q_heads), torch.float32, q.device)
@@ -345,7 +396,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
-                      leader_steps=_split_steps(max_steps, num_splits) if art is not None and num_splits > 1 else None)
+                      leader_steps=(leader_range(max_steps, num_splits, follow_step)
+                                    if art is not None and num_splits > 1 else None))
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads,
                                            paged=paged)
     block_g = triton.next_power_of_2(group)
@@ -355,12 +407,14 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
-    art_decode_split_kernel[(num_splits, batch * kv_heads)](
+    deferred = follow_step > 0
+    grid = (batch * kv_heads, num_splits) if deferred else (num_splits, batch * kv_heads)
+    art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, arrivals,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
-        kv_heads, num_splits, max_len,
+        kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * follow_step,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
@@ -372,7 +426,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, num_warps=num_warps, num_stages=num_stages)
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, num_warps=num_warps,
+        num_stages=num_stages)
+    if walk_hint is not None and monitored:
+        walk_hint.record(steps, follow_step=follow_step)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
@@ -389,57 +446,87 @@ def dense_block_size(page_size: int | None) -> int:
     return PAGED_DENSE_BLOCK_SIZE
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
-                      block_size: int = DENSE_BLOCK_SIZE, longest_stop_steps: int | None = None) -> int:
-    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks (module docstring).
-
-    Dense (``art=None``): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor
-    (``SMALL_BLOCK_PROGRAMS_PER_SM`` for blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down
-    unless that leaves more than a quarter of the multiprocessors idle; at least
-    ``MIN_STEPS_PER_SPLIT`` blocks per split.  ART: the dense count when the dense walk would end
-    before the longest monitored walk (:func:`dense_walk_ends_first`), since a call cannot end before
-    its longest walk; else one split once there are ``ART_SINGLE_SPLIT_PROGRAMS`` ``(b, kv_head)``
-    pairs, else :func:`leader_splits`.
-    """
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,
+                      block_size: int = DENSE_BLOCK_SIZE) -> int:
+    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks, dense or ART (module docstring):
+    one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (``SMALL_BLOCK_PROGRAMS_PER_SM`` for
+    blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down unless that leaves more than a quarter of the
+    multiprocessors idle; at least ``MIN_STEPS_PER_SPLIT`` blocks per split.  An ART call's followers wait for
+    the follow step (:func:`choose_follow_step`) before they walk."""
     programs = batch * kv_heads
     sms = _num_sms(device)
     per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
     wanted = per_sm * sms // programs
     if wanted * programs < WAVE_FILL * sms:
         wanted += 1
-    dense = max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-    if art is None or dense_walk_ends_first(batch, kv_heads, max_steps, device, art, longest_stop_steps):
-        return dense
-    return 1 if programs >= ART_SINGLE_SPLIT_PROGRAMS else leader_splits(batch, kv_heads, device)
+    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
 
 
-def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
-                          longest_stop_steps: int | None = None) -> bool:
-    """Whether the split-K dense walk would end before the longest monitored walk, both counted in the
-    blocks of a lone walk: the dense walk's time is taken as the blocks each multiprocessor reads
+def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
+                      block_size: int, head_dim: int, longest_stop_steps: int | None = None) -> tuple[int, int]:
+    """``(num_splits, follow_step)`` of a call at the default split count: :func:`choose_num_splits`, and with ``art``
+    the follow step of :func:`choose_follow_step`; a call with deferred followers keeps every program resident
+    (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
+    num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size)
+    follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
+                                                          longest_stop_steps=longest_stop_steps)
+    if follow_step:
+        num_splits = min(num_splits, deferred_splits(batch * kv_heads, block_size, head_dim, device))
+    return num_splits, follow_step if num_splits > 1 else 0
+
+
+def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
+                       num_splits: int, longest_stop_steps: int | None = None) -> int:
+    """The leader's step from which an ART call's followers walk (module docstring, *deferred followers*):
+    0 (at once) when the split-K dense walk would end before the longest monitored walk
+    (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk; else the longest walk
+    expected (``longest_stop_steps``, by default ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by
+    then load no follower's block, and one that runs longer is finished by all the pair's programs."""
+    longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
+    if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, device, longest):
+        return 0
+    return longest
+
+
+def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.device) -> int:
+    """The most programs per ``(b, kv_head)`` of a call with deferred followers: all of them stay resident while
+    they wait, so the grid must fit one wave at the walk's stage count; with 64-token blocks of ``D = 128`` that
+    is ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor (a larger grid gets 2 stages, :func:`_launch_config`,
+    and the leaders' lone step slows with them), else ``MAX_SPLITS``."""
+    if block_size == TMA_MAX_BLOCK and head_dim == 128:
+        return max(1, RESIDENT_AT_THREE_STAGES * _num_sms(device) // pairs)
+    return MAX_SPLITS
+
+
+def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: torch.device, longest: int) -> bool:
+    """Whether the split-K dense walk would end before a monitored walk of ``longest`` blocks, both counted in
+    the blocks of a lone walk: the dense walk's time is taken as the blocks each multiprocessor reads
     (``batch * kv_heads * max_steps / SMs``, rounded up) over ``DENSE_WALKS_OVERLAPPED`` (2).  On the
     H200 a multiprocessor's split-K dense walk reads two blocks in 1.1 us at D = 64, about one lone
     block (0.97 us), and in 2.1-2.3 us at D = 128, 1.7-1.8 lone blocks (1.27 us; V16, V18), so the
-    estimate is close at D = 64 and favours one split at D = 128.  The longest walk is
-    ``longest_stop_steps``, by default ``ART_STOP_MARGIN`` times the monitored walk's earliest end
-    (:func:`earliest_stop_steps`).  ART then takes the dense split count (:func:`choose_num_splits`)."""
-    longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
+    estimate is close at D = 64 and favours the deferred followers at D = 128."""
     dense_blocks = -(-batch * kv_heads * max_steps // (DENSE_WALKS_OVERLAPPED * _num_sms(device)))
     return dense_blocks <= longest
 
 
-def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams) -> bool:
-    """Whether the leader's range (``max_steps / num_splits`` blocks, rounded down) reaches the walk's
-    earliest stop (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor
-    cannot change the result: :func:`art_decode` then runs the dense walk of that split count, whose
-    output, ``lse`` and ``steps`` (every program's range) are those of the monitored walk bit for bit."""
-    return _split_steps(max_steps, num_splits) >= earliest_stop_steps(art)
+def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams, follow_step: int = 0) -> bool:
+    """Whether the leader's range (:func:`leader_range`) reaches the walk's earliest stop
+    (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor cannot change the result:
+    :func:`art_decode` then runs the dense walk of that split count, whose output, ``lse`` and ``steps`` (every
+    program's range) are those of the monitored walk bit for bit."""
+    return leader_range(max_steps, num_splits, follow_step) >= earliest_stop_steps(art)
 
 
-def _split_steps(max_steps: int, num_splits: int) -> int:
-    """Blocks in the first split's range for a walk of ``max_steps``: the kernel cuts a walk into ranges of
-    ``max_steps // num_splits`` blocks and puts the ``max_steps % num_splits`` longer ones, a block more, last."""
-    return max_steps // num_splits
+def leader_range(blocks, num_splits: int, follow_step: int = 0):
+    """Blocks in the leader's range of a walk of ``blocks`` (an int, or an int tensor of walks): the kernel gives
+    the leader ``gate + (blocks - gate) // num_splits`` with ``gate = min(follow_step, blocks)``, and cuts the rest
+    into balanced ranges, the longer ones (a block more) last; ``blocks // num_splits`` without deferred
+    followers."""
+    if isinstance(blocks, torch.Tensor):
+        gate = blocks.clamp(max=follow_step)
+    else:
+        gate = min(blocks, follow_step)
+    return gate + (blocks - gate) // num_splits
 
 
 def earliest_stop_steps(art: ARTParams) -> int:
@@ -449,9 +536,8 @@ def earliest_stop_steps(art: ARTParams) -> int:
 
 
 def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """ART splits for the leader scheme: one program per multiprocessor (rounded down).  Under
-    :func:`choose_num_splits` the leader's range is then about twice the longest walk expected or more
-    (the dense walk's time of :func:`dense_walk_ends_first` counts two overlapped walks per multiprocessor)."""
+    """The leader scheme over one program per multiprocessor (rounded down): the split study's
+    (:func:`kernels.bench.split_study`) comparison with one split."""
     return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
 
 

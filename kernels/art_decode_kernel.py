@@ -33,7 +33,11 @@ monitored step with a patience out of reach (their monitor never stops them and 
 that in a walk that does not stop every program takes the same time per block), in chunks of
 ``ART_CHUNK`` steps (a rest of their range shorter than two chunks is one chunk), poll that flag after
 each chunk and stop too; the combine then ignores them
-(see ``kernels.art_decode``).
+(see ``kernels.art_decode``).  With ``DEFERRED`` (deferred followers) the followers first wait in
+``_await_leader`` until the leader has raised that flag (they walk nothing) or bit ``RELEASED``, which it sets
+at the end of a chunk at or past its step ``follow_step`` without being done (its chunks also end there); the
+ranges then cut the walk past the follow step, the leader's holding the steps before it too, and the grid is
+``(B * Hkv, splits)`` so that every leader is dispatched before any follower.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -55,6 +59,8 @@ from .art_decode_combine import combine_group
 
 HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this many steps (ART walks are no longer)
 CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival counter (splits are fewer)
+RELEASED = tl.constexpr(1 << 17)      # deferred followers: the leader passed the follow step without stopping
+RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's first chunk (its leader may stop a few steps later)
 
 
 @triton.jit
@@ -396,15 +402,29 @@ def _read_flag(ptr):
     leader's store would leave the walk at different chunks, so that the program's barriers no
     longer pair up (wrong partial results, or a hang with the descriptor pipeline).  A scalar
     atomic is executed by one thread and broadcast to the program."""
-    return (tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") >= CONVERGED).to(tl.int32)
+    return ((tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") & CONVERGED) != 0).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["uniform_len"])
+@triton.jit
+def _await_leader(ptr, max_polls):
+    """A deferred follower's wait before its first block: polls the arrival counter at ``ptr`` until the leader
+    has raised the converged flag (returns 1: the follower walks nothing) or released the followers (returns 0),
+    at most ``max_polls`` times (then 0: the follower walks its range as an eager one would, so that no
+    program waits without end on a leader that is not resident; the result is the same either way)."""
+    state = max_polls * 0
+    polls = max_polls * 0
+    while (state == 0) & (polls < max_polls):
+        state = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") & (CONVERGED | RELEASED)
+        polls += 1
+    return ((state & CONVERGED) != 0).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -413,8 +433,11 @@ def art_decode_split_kernel(
         ART: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-        RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Grid ``(splits, B * Hkv)``.  See the module docstring for the buffers and the walk.
+        RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        DEFERRED: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED``.  See the module docstring for the
+    buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred followers' (``DEFERRED``; unused
+    otherwise).
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
@@ -433,8 +456,14 @@ def art_decode_split_kernel(
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
     heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
+    if DEFERRED:
+        # grid (B * Hkv, splits): every leader is dispatched before any follower, one per multiprocessor first,
+        # and the followers that wait for them fill the rest
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+    else:
+        split = tl.program_id(0)
+        bh = tl.program_id(1)
     score_log2 = sm_scale * 1.4426950408889634
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
@@ -447,11 +476,19 @@ def art_decode_split_kernel(
     PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"
     tail = _tail_step(seqlen, num_blocks, BLOCK_N, SINK_RECENCY)
     # ranges of `num_blocks // num_splits` steps, the `num_blocks % num_splits` longer ones by a step last: the leader,
-    # which alone restarts its pipeline where it could first stop, holds one of the shortest
-    base = num_blocks // num_splits
-    longer_from = num_splits - num_blocks % num_splits
-    start = split * base + tl.maximum(split - longer_from, 0)
+    # which alone restarts its pipeline where it could first stop, holds one of the shortest.  Deferred followers
+    # start once the leader has passed the follow step (`gate`): the ranges then cut the walk past it, and the leader's
+    # also holds the steps before it, so that a walk that does not stop ends in every program at once.
+    gate = 0
+    if DEFERRED:
+        # (bounded below too: a gate the compiler cannot prove non-negative serialises the step's MMAs)
+        gate = tl.maximum(tl.minimum(follow_step.to(num_blocks.dtype), num_blocks), 0)
+    base = (num_blocks - gate) // num_splits
+    longer_from = num_splits - (num_blocks - gate) % num_splits
+    start = gate + split * base + tl.maximum(split - longer_from, 0)
     end = start + base + (split >= longer_from).to(base.dtype)
+    if DEFERRED:
+        start = tl.where(split == 0, 0, start)
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
@@ -492,8 +529,12 @@ def art_decode_split_kernel(
         # No flag read before the first chunk: its loads would wait for the atomic's round trip, in every
         # program at once at the start of a launch, while a leader cannot have stopped before its followers start
         # in the one wave that the launcher sizes the scheme to (a follower that starts later reads one chunk).
+        # Deferred followers wait for their leader before it instead.
         converged = split * 0
-        go = step < end
+        if DEFERRED:
+            if not is_leader and start < end:
+                converged = _await_leader(arrivals_ptr + bh, max_gate_polls)
+        go = (step < end) & (converged == 0)
         while go:
             # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
             # not done needs `patience - count` more stable steps, counted from `first_counted`), so its stop
@@ -506,6 +547,12 @@ def art_decode_split_kernel(
             rest = (end - step).to(tl.int32)
             horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0),
                                tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK))
+            if DEFERRED:
+                # the leader's chunk also ends at the follow step, where it releases the followers; their first
+                # chunk is short, since a leader released there may stop a few steps later
+                horizon = tl.where(is_leader, tl.where(step < follow_step, tl.minimum(horizon, follow_step - step),
+                                                       horizon),
+                                   tl.where(step == start, tl.minimum(horizon, RELEASED_FIRST_CHUNK), horizon))
             chunk_end = tl.minimum(step + horizon, end)
             # With several splits every program runs the monitored step (a follower's heads are never done
             # and its monitor is discarded), so that in a walk that does not stop all programs take the same
@@ -534,7 +581,13 @@ def art_decode_split_kernel(
                 # the leader raises the flag and never reads it (its own done bits decide); followers poll it.
                 # The leader's add precedes its own arrival on the same word, so the last arrival sees it.
                 if is_leader:
-                    tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
+                    if DEFERRED:
+                        # converged, or past the follow step without stopping: release the followers (an or, so
+                        # that every chunk past it may set the bit again)
+                        tl.atomic_or(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, RELEASED), sem="relaxed",
+                                     scope="gpu", mask=(group_done != 0) | (step >= follow_step))
+                    else:
+                        tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
                 else:
                     converged = _read_flag(arrivals_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
@@ -567,7 +620,7 @@ def art_decode_split_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if ART:
-            converged = arrived >= CONVERGED
+            converged = (arrived & CONVERGED) != 0
             arrived = arrived & (CONVERGED - 1)
         if arrived == num_splits - 1:
             kept_splits = num_splits

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import art_decode
+from .art_decode import ART_BLOCK_SIZE, art_decode, choose_split_plan
 from .art_params import ARTParams
 from .bench import ROUNDS, decode_query_shape, loaded_fraction, tiled_capture, time_interleaved
 from .results_io import write_json_atomic
@@ -47,7 +47,8 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 device: torch.device, rounds: int = ROUNDS) -> list[dict]:
     """One row per (decode step, implementation) of the captured layer at ``path`` tiled to ``seqlen`` tokens for
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
-    ``num_splits`` and ``loaded_fraction`` (ART rows), and ``longest_stop_steps`` (the hint passed, or None)."""
+    ``num_splits``, ``follow_step`` and ``loaded_fraction`` (ART rows), and ``longest_stop_steps`` (the hint passed,
+    or None)."""
     hint = LongestWalkHint()
     rows = []
     for step in range(decode_query_shape(path)[2]):
@@ -61,11 +62,12 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
         for impl in IMPLS:
             row = {"step": step, "impl": impl, **timings[impl]}
             if impl in hints:
-                _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[impl], return_stats=True)
+                _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[impl], return_stats=True,
+                                      walk_hint=hint if impl == "art_previous_step" else None)
                 row.update(longest_stop_steps=hints[impl], num_splits=steps.shape[-1],
+                           follow_step=choose_split_plan(batch, k.shape[1], -(-seqlen // ART_BLOCK_SIZE), device, art,
+                                                         ART_BLOCK_SIZE, k.shape[-1], hints[impl])[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
-                if impl == "art_previous_step":
-                    hint.record(steps)
             rows.append(row)
     return rows
 

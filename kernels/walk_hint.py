@@ -12,10 +12,11 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
 
     hints = [LongestWalkHint() for _ in range(num_layers)]
     ...                                                          # in each decode step, for each layer
-    out, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[layer].steps, return_stats=True)
-    hints[layer].record(steps)
+    out = art_decode(q, k, v, art=art, walk_hint=hints[layer])
 
-:meth:`LongestWalkHint.record` reduces the call's ``steps`` to its longest walk on the device and copies
+``art_decode`` takes the hint's latest walk as ``longest_stop_steps`` and records the call's walks into it (by
+hand: ``longest_stop_steps=hint.steps``, then ``hint.record(steps, follow_step=...)`` with the call's
+``return_stats`` and follow step).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to its longest walk on the device and copies
 that one number to pinned host memory without blocking; :attr:`LongestWalkHint.steps` takes the latest record
 whose copy has landed (event queries, never a wait) and otherwise keeps the value before it.  The hint lags by
 as many calls as the host runs ahead of the GPU, and it never stalls the stream.
@@ -26,19 +27,22 @@ from collections import deque
 
 import torch
 
+from .art_decode import leader_range
+
 
 class LongestWalkHint:
     """The longest walk (blocks) of the latest recorded ``art_decode`` call of one layer whose stats have reached
     the host; ``None`` until one has.
 
     A call's ``steps [B, Hkv, splits]`` (``return_stats``) hold the blocks each program loaded.  With one split
-    that is each ``(b, kv_head)``'s walk.  With several, split 0 (the leader) holds the shortest range,
-    ``N // splits`` of the walk's ``N`` blocks: a leader that stopped loaded its walk, at most that many blocks;
-    a leader that reached the end of its range without stopping (and every program of a call that ran the dense
-    walk, where no leader could stop) loaded the whole range, the other programs theirs, ``N`` blocks in all.
-    So a pair's walk is taken as ``steps.sum(-1)`` where ``steps[..., 0] == steps.sum(-1) // splits`` (a walk
-    that did not stop in the leader's range, counted as all its blocks: at least as long as it is), else as
-    ``steps[..., 0]``; with one split both are the same.  (A leader that stopped on its range's last block, or
+    that is each ``(b, kv_head)``'s walk.  With several, split 0 (the leader) holds the range of
+    :func:`kernels.art_decode.leader_range` (``N // splits`` of the walk's ``N`` blocks, or with deferred
+    followers the follow step more): a leader that stopped loaded its walk, at most that many blocks; a leader
+    that reached the end of its range without stopping (and every program of a call that ran the dense walk,
+    where no leader could stop) loaded the whole range, the other programs theirs, ``N`` blocks in all.  So a
+    pair's walk is taken as ``steps.sum(-1)`` where ``steps[..., 0]`` is the leader's range of that many blocks
+    (a walk that did not stop in the leader's range, counted as all its blocks: at least as long as it is), else
+    as ``steps[..., 0]``; with one split both are the same.  (A leader that stopped on its range's last block, or
     whose followers' blocks happen to meet that equality, counts the same way: more blocks than its walk, which
     leans the split rule towards the dense split count, the slower side only where walks are short.)
     """
@@ -54,15 +58,18 @@ class LongestWalkHint:
             self._steps = int(self._pending.popleft()[0])
         return self._steps
 
-    def record(self, steps: torch.Tensor) -> None:
-        """Take the longest walk of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``).  On a CUDA
-        device the reduction and a non-blocking copy to pinned memory are queued on the current stream; on the
-        CPU the value is taken at once.  Not inside a CUDA-graph capture (a replay would not record)."""
+    def record(self, steps: torch.Tensor, follow_step: int = 0) -> None:
+        """Take the longest walk of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with
+        ``follow_step`` (``art_decode``'s, 0 without deferred followers).  On a CUDA device the reduction and a
+        non-blocking copy to pinned memory are queued on the current stream; on the CPU the value is taken at once.
+        Not inside a CUDA-graph capture (a replay would not record)."""
         if not isinstance(steps, torch.Tensor) or steps.dim() != 3 or steps.dtype != torch.int32 or steps.numel() == 0:
             described = (f"{tuple(steps.shape)} {steps.dtype}" if isinstance(steps, torch.Tensor)
                          else type(steps).__name__)
             raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
-        longest = longest_walk(steps)
+        if isinstance(follow_step, bool) or not isinstance(follow_step, int) or follow_step < 0:
+            raise ValueError(f"follow_step must be an int >= 0, got {follow_step!r}")
+        longest = longest_walk(steps, follow_step)
         if steps.device.type != "cuda":
             self._pending.clear()
             self._steps = int(longest)
@@ -77,9 +84,9 @@ class LongestWalkHint:
         self._pending.append((value, landed))
 
 
-def longest_walk(steps: torch.Tensor) -> torch.Tensor:
-    """The longest walk (a 0-dim int32 tensor on ``steps``' device) of a call's ``steps [B, Hkv, splits]``, each
-    pair's walk counted as :class:`LongestWalkHint` describes."""
+def longest_walk(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:
+    """The longest walk (a 0-dim int32 tensor on ``steps``' device) of a call's ``steps [B, Hkv, splits]`` made with
+    ``follow_step``, each pair's walk counted as :class:`LongestWalkHint` describes."""
     total = steps.sum(-1, dtype=torch.int32)
     leader = steps[..., 0]
-    return torch.where(leader == total // steps.shape[-1], total, leader).max()
+    return torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader).max()

@@ -235,17 +235,59 @@ def test_a_walk_that_cannot_stop_runs_without_the_monitor(record_decode_launches
     assert [call.kwargs["ART"] for call in launches.calls] == [False, True]
 
 
-def test_the_longest_walk_hint_sets_the_default_split_count(monkeypatch, record_decode_launches):
+def test_the_longest_walk_hint_sets_the_default_split_plan(monkeypatch, record_decode_launches):
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     q = torch.zeros(32, 9, 64, dtype=torch.float16)                                 # SmolLM2's heads, 128 steps
     k = v = torch.zeros(32, 3, 8192, 64, dtype=torch.float16)
     config = ARTConfig(tau=0.0, phi=0.0).kernel_params()                           # never stops: short to run
-    launches = record_decode_launches()                                # not run: the split count is the point
+    launches = record_decode_launches()                                # not run: the split plan is the point
     art_decode(q, k, v, art=config)                                  # dense walk 47 blocks > 2 earliest ends (34)
-    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 47 <= 128: the dense count, 5
-    art_decode(q, k, v, art=config, longest_stop_steps=46)           # 47 > 46: one split
-    art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count wins
-    assert [call.grid[0] for call in launches.calls] == [1, 5, 1, 2]
+    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 47 <= 128: followers at once
+    art_decode(q, k, v, art=config, longest_stop_steps=46)           # 47 > 46: followers from the leader's step 46
+    art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count: followers at once
+    art_decode(q, k, v, art=config, num_splits=2, follow_step=20)
+    follow = launches.kernel.arg_names.index("follow_step")
+    plans = [(call.grid, call.kwargs["DEFERRED"], call.args[follow]) for call in launches.calls]
+    # deferred followers take the grid (pairs, splits), so that every leader is dispatched first
+    assert plans == [((96, 5), True, 34), ((5, 96), False, 0), ((96, 5), True, 46), ((2, 96), False, 0),
+                     ((96, 2), True, 20)]
+
+
+def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk_that_does_not():
+    """The interpreter runs every leader before any follower, so a follower finds its leader converged (it walks
+    nothing: the result is the single walk's bit for bit) or released without stopping (it walks its range: the
+    dense result of that partition)."""
+    from kernels.walk_hint import longest_walk
+
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps
+    config = ARTConfig(tau=1e-3, phi=1e-4, patience=3)
+    expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
+    single = art_decode(q, k, v, art=config.kernel_params(), num_splits=1)
+    # follow step 8 over 3 splits: the leader holds 8 + 16 // 3 = 13 steps, the followers 5 and 6 (the longer last)
+    out, lse, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=3, follow_step=8, return_lse=True,
+                                 return_stats=True)
+    assert art_decode_module.leader_range(24, 3, 8) == 13
+    stopped = expected <= 13
+    assert stopped.any() and (~stopped).any(), "the case must cover both outcomes"
+    group = q.shape[1] // k.shape[1]
+    heads = stopped.repeat_interleave(group, dim=1)
+    assert torch.equal(steps[stopped], torch.stack([expected[stopped].to(torch.int32),
+                                                    *[torch.zeros_like(expected[stopped], dtype=torch.int32)] * 2], -1))
+    assert torch.equal(out[heads], single[heads])
+    assert torch.equal(steps[~stopped], torch.tensor([13, 5, 6], dtype=torch.int32).expand_as(steps[~stopped]))
+    assert_within_flash_oracle(out[~heads].view(-1, 1, q.shape[-1]), q[~heads].view(-1, 1, q.shape[-1]),
+                               *(x.repeat_interleave(group, dim=1)[~heads].view(-1, 1, 1536, q.shape[-1])
+                                 for x in (k, v)))
+    assert int(longest_walk(steps, follow_step=8)) == max(int(expected[stopped].max()), 24)
+    for page_size in (16, 64):                                  # the same walks on shuffled pages
+        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, block_table=table, art=config.kernel_params(), num_splits=3,
+                           follow_step=8, return_lse=True, return_stats=True)
+        assert_paged_agrees(paged, (out, lse, steps), page_size, 64)
+    # a follow step at or past the walk's end: the leader holds the whole walk and the followers none
+    out, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=3, follow_step=24, return_stats=True)
+    assert torch.equal(steps[..., 1:], torch.zeros_like(steps[..., 1:]))
+    assert torch.equal(steps[..., 0].long(), expected) and torch.equal(out, single)
 
 
 def test_splits_take_balanced_ranges_with_the_leader_among_the_shortest():
@@ -647,19 +689,25 @@ def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, seqlen, splits", [(8, 131072, 4), (1, 32768, 16), (2, 32768, 5)])
-def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(batch, seqlen, splits):
+@pytest.mark.parametrize("batch, seqlen, splits, follow_step", [(8, 131072, 4, 0), (1, 32768, 16, 0), (2, 32768, 5, 0),
+                                                                (8, 32768, 6, 34), (1, 131072, 49, 34), (2, 32768, 5, 20)])
+def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(batch, seqlen, splits, follow_step):
     # the leader scheme's result must not depend on timing: where the leader stopped, the single-split
-    # output bit for bit (the followers' early exits dropped); elsewhere the dense output of that split count
+    # output bit for bit (the followers' early exits dropped); elsewhere the dense output of that partition (the
+    # never-stopping call's, which is the dense call's bit for bit without deferred followers).  Deferred
+    # followers of a leader that stopped by the follow step load nothing.
     q, k, v = synthetic_inputs(batch, 32, 8, seqlen, 128, torch.bfloat16, _cuda(), seed=batch)
-    leader_range = math.ceil(seqlen / 64 / splits)
+    leader_range = art_decode_module.leader_range(seqlen // 64, splits, follow_step)
+    held_back_pairs = 0
     for config in (ARTConfig(), ARTConfig(tau=1e-3, phi=1e-5, patience=8)):
         params = config.kernel_params()
         single = art_decode(q, k, v, art=params, num_splits=1)
-        dense = art_decode(q, k, v, num_splits=splits, block_size=64)
+        never = dataclasses.replace(params, tau=0.0, phi=0.0)
+        dense = art_decode(q, k, v, art=never, num_splits=splits, follow_step=follow_step)
         mismatched_calls = 0
         for _ in range(20):
-            out, steps = art_decode(q, k, v, art=params, num_splits=splits, return_stats=True)
+            out, steps = art_decode(q, k, v, art=params, num_splits=splits, follow_step=follow_step,
+                                    return_stats=True)
             leader = steps[..., 0].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             is_single = (out == single).all(-1)
             is_dense = (out == dense).all(-1)
@@ -667,4 +715,9 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
             right = torch.where(leader < leader_range, is_single, torch.where(leader == leader_range, is_single | is_dense,
                                                                                 is_dense))
             mismatched_calls += int(not bool(right.all()))
+            if follow_step:
+                held_back = steps[..., 0] <= follow_step
+                held_back_pairs += int(held_back.sum())
+                assert not steps[..., 1:][held_back].any(), "a follower of a leader that stopped by the follow step loaded"
         assert mismatched_calls == 0, f"{mismatched_calls} of 20 calls differ ({config})"
+    assert held_back_pairs > 0 or not follow_step, "the case must have leaders that stop by the follow step"

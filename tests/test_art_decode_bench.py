@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import choose_num_splits, earliest_stop_steps, leader_can_stop
+from kernels.art_decode import choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
 
@@ -17,35 +17,42 @@ def test_kv_bytes_counts_k_and_v_once():
 
 def test_split_heuristics_fill_one_wave(monkeypatch):
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
-    assert choose_num_splits(1, 8, 512, None, art=None) == 16       # 128 programs, not 136
-    assert choose_num_splits(32, 3, 512, None, art=None) == 2       # 96 programs would idle 27 % of the SMs
-    assert choose_num_splits(32, 8, 512, None, art=None) == 1
-    assert choose_num_splits(1, 8, 8, None, art=None) == 2          # at least MIN_STEPS_PER_SPLIT blocks each
+    assert choose_num_splits(1, 8, 512, None) == 16                 # 128 programs, not 136
+    assert choose_num_splits(32, 3, 512, None) == 2                 # 96 programs would idle 27 % of the SMs
+    assert choose_num_splits(32, 8, 512, None) == 1
+    assert choose_num_splits(1, 8, 8, None) == 2                    # at least MIN_STEPS_PER_SPLIT blocks each
+    # blocks of at most 64 tokens: four programs per multiprocessor, one more split only where SMs would idle
+    assert choose_num_splits(1, 8, 512, None, block_size=64) == 66
+    assert choose_num_splits(8, 8, 2048, None, block_size=64) == 8
+    assert choose_num_splits(32, 3, 512, None, block_size=64) == 5
+    assert choose_num_splits(128, 3, 512, None, block_size=64) == 1     # 384 programs keep every SM busy
+
+
+def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(monkeypatch):
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     monitor = ARTParams()                                           # done at step 16 at the earliest: 17 steps
     assert earliest_stop_steps(monitor) == 17
     assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
-    assert choose_num_splits(1, 8, 2048, None, art=monitor) == 1     # 8 pairs: one split
-    assert choose_num_splits(1, 3, 4096, None, art=monitor, block_size=64) == 44   # dense walk 47 blocks > 34:
-    assert choose_num_splits(1, 6, 4096, None, art=monitor, block_size=64) == 22   # leader scheme, one program per SM
-    # blocks of at most 64 tokens: four programs per multiprocessor, one more split only where SMs would idle
-    assert choose_num_splits(1, 8, 512, None, art=None, block_size=64) == 66
-    assert choose_num_splits(8, 8, 2048, None, art=None, block_size=64) == 8
-    assert choose_num_splits(32, 3, 512, None, art=None, block_size=64) == 5
-    assert choose_num_splits(128, 3, 512, None, art=None, block_size=64) == 1     # 384 programs keep every SM busy
-    # ART: the dense count when the dense walk (blocks per SM over 2) ends within 2 earliest ends (34 blocks)
-    assert choose_num_splits(1, 8, 2048, None, art=monitor, block_size=64) == 1    # 8 x 2048 / 264 -> 63 > 34
-    assert choose_num_splits(1, 8, 512, None, art=monitor, block_size=64) == 66    # 16
-    assert choose_num_splits(8, 8, 140, None, art=monitor, block_size=64) == 8     # 34: not longer
-    assert choose_num_splits(8, 8, 141, None, art=monitor, block_size=64) == 1     # 35
-    assert choose_num_splits(1, 3, 2048, None, art=monitor, block_size=64) == 128  # 24 (SmolLM2 B = 1, 128k)
-    # told the longest walk, the rule compares the dense walk with it instead of 2 earliest ends
-    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64) == 1    # SmolLM2 B = 32, 8k: 47 > 34
-    assert choose_num_splits(32, 3, 128, None, art=monitor, block_size=64, longest_stop_steps=128) == 5
-    assert choose_num_splits(32, 3, 512, None, art=monitor, block_size=64, longest_stop_steps=242) == 5  # 187
-    assert choose_num_splits(32, 3, 2048, None, art=monitor, block_size=64, longest_stop_steps=241) == 1  # 745
-    assert choose_num_splits(8, 8, 512, None, art=monitor, block_size=64, longest_stop_steps=44) == 1   # 125 > 44
-    assert choose_num_splits(8, 8, 140, None, art=monitor, block_size=64, longest_stop_steps=33) == 1   # 34 > 33
-    assert choose_num_splits(8, 8, 512, None, art=None, block_size=64, longest_stop_steps=600) == 8     # dense: unused
+
+    def plan(batch, kv_heads, blocks, head_dim=128, longest=None, art=monitor):
+        return choose_split_plan(batch, kv_heads, blocks, None, art, 64, head_dim, longest_stop_steps=longest)
+
+    # the dense walk (blocks per SM over 2) ends within 2 earliest ends (34 blocks): followers at once
+    assert plan(1, 8, 512) == (66, 0)                               # 16 blocks
+    assert plan(8, 8, 140) == (8, 0)                                # 34: not longer
+    assert plan(1, 3, 2048, head_dim=64) == (128, 0)                # 24 (SmolLM2 B = 1, 128k)
+    # else the followers wait for the leader's step 34; at D = 128 the grid keeps 3 programs per SM (3 stages)
+    assert plan(8, 8, 141) == (6, 34)                               # 35 > 34; 396 // 64 programs
+    assert plan(1, 8, 2048) == (49, 34)                             # 63 > 34; 396 // 8
+    assert plan(32, 8, 512) == (1, 0)                               # 396 // 256: one split, no follower
+    assert plan(32, 3, 128, head_dim=64) == (5, 34)                 # SmolLM2 B = 32, 8k: 47 > 34
+    assert plan(128, 3, 512, head_dim=64) == (1, 0)                 # one program per pair already fills the SMs
+    # told the longest walk, the rule compares the dense walk with it, and the followers wait for that step
+    assert plan(32, 3, 128, head_dim=64, longest=128) == (5, 0)
+    assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 0)     # 187
+    assert plan(32, 3, 2048, head_dim=64, longest=241) == (5, 241)  # 745 > 241
+    assert plan(8, 8, 512, longest=44) == (6, 44)                   # 125 > 44
+    assert plan(8, 8, 512, longest=600, art=None) == (8, 0)         # dense: unused
 
 
 def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop():
@@ -56,6 +63,10 @@ def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop
     assert leader_can_stop(128, 4, monitor)                                      # B = 8, 8k: 32 steps
     assert not leader_can_stop(64, 4, ARTParams(patience=13, min_steps=4))      # 16 steps < 17
     assert leader_can_stop(64, 4, ARTParams(patience=12, min_steps=4))
+    # deferred followers: the leader's range also holds the steps before the follow step
+    assert leader_range(512, 33, 20) == 20 + 492 // 33 and leader_can_stop(512, 33, monitor, follow_step=20)
+    assert leader_range(100, 4, 1000) == 100                                     # a gate past the walk: all of it
+    assert leader_range(torch.tensor([100, 40]), 4, 50).tolist() == [62, 40]
 
 
 def test_tile_batch_repeats_rows_cyclically():
@@ -70,7 +81,7 @@ def test_summary_checks_the_targets_on_the_rows():
     rows = [row("cudnn_sdpa", 1.0), row("flash_sdpa", 1.5), row("art_dense", 1.02), row("art_dense_bs64", 1.0),
             row("art_never", 1.05), row("art", 0.2, meets_time_bound=False),
             row("cudnn_sdpa", 0.05, batch=1), row("art_dense", 0.06, batch=1), row("art_dense_bs64", 0.06, batch=1),
-            row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True, dense_split_count=True),
+            row("art_never", 0.06, batch=1), row("art", 0.05, batch=1, meets_time_bound=True, follow_step=34),
             dict(data="synthetic", batch=1, seqlen=32768, impl="flex_attention", error="compile error"),
             # a row whose monitor cannot stop any walk runs the dense walk: not a monitor overhead
             row("art_dense_bs64", 0.01, batch=1, seqlen=8192), row("art_never", 0.02, batch=1, seqlen=8192,
@@ -81,7 +92,8 @@ def test_summary_checks_the_targets_on_the_rows():
     assert abs(summary["monitor_overhead_max"] - 0.05) < 1e-12
     assert summary["monitor_overhead_rows"] == 2 and summary["monitor_skipped_rows"] == 1
     assert summary["art_rows_meeting_time_bound"] == 1 and summary["art_rows"] == 2
-    assert summary["art_rows_meeting_time_bound_at_the_dense_split_count"] == 1
+    assert summary["art_rows_meeting_time_bound_with_deferred_followers"] == 1
+    assert summary["art_rows_with_deferred_followers"] == 1
     assert summary["art_rows_missing_time_bound_below_latency_floor"] == 0
     rows[5]["time_bound_below_latency_floor"] = True                  # the row that misses its bound
     rows[10]["time_bound_below_latency_floor"] = True                 # meets it: not counted

@@ -60,7 +60,7 @@ def _compile_request(label: str, arg_names, call) -> dict:
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
-# lengths (descriptors made in the kernel or on the host), the paged layout (one tile per page of 16 tokens, one
+# lengths (descriptors made in the kernel or on the host), deferred followers, the paged layout (one tile per page of 16 tokens, one
 # per block within a page, pointer loads on pages of 8), the dense walk, fp32 and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -74,6 +74,9 @@ CASES = [
     ("group 1, fp32, block 32", 4, 4, 64, torch.float32, True, dict(num_splits=1, block_size=32)),
     ("group 8, paged, block 16, D 128", 16, 2, 128, torch.bfloat16, True, dict(num_splits=1, paged=True, block_size=16)),
     ("group 5, dense, block 64, ragged", 10, 2, 64, torch.float16, False, dict(num_splits=3, ragged=True, block_size=64)),
+    ("group 4, deferred followers, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=4, follow_step=34)),
+    ("group 3, deferred followers, ragged, D 64", 9, 3, 64, torch.bfloat16, True,
+     dict(num_splits=5, follow_step=20, ragged=True)),
 ]
 
 

@@ -31,6 +31,13 @@ def test_records_take_the_longest_walk_a_stopped_leader_or_a_whole_walk():
     assert hint.steps == 122
     hint.record(stats([8, 8, 8], [0, 1, 1]))               # a dense call's ranges (and a walk shorter than its splits)
     assert hint.steps == 24
+    # deferred followers from step 30: the leader holds 30 + (N - 30) // splits blocks
+    hint.record(stats([33, 0, 0], [34, 5, 6]), follow_step=30)   # stopped before / after the followers started
+    assert hint.steps == 34
+    hint.record(stats([35, 5, 6], [34, 0, 0]), follow_step=30)   # 46 blocks: the first leader ran its range
+    assert hint.steps == 46
+    with pytest.raises(ValueError, match="follow_step must be an int >= 0"):
+        hint.record(stats([3]), follow_step=-1)
 
 
 def test_bad_stats_are_refused():
@@ -69,6 +76,19 @@ def test_real_calls_report_their_longest_walk_at_any_split_count():
     _, dense = art_decode(q, k, v, art=patient, num_splits=3, return_stats=True)    # runs the dense walk
     hint.record(dense)
     assert hint.steps == 64
+
+
+def test_a_call_given_the_hint_takes_its_walk_and_records_its_own():
+    q, k, v = _inputs(torch.device("cpu"), torch.float16, 4096)                     # 64 blocks
+    _, single = art_decode(q, k, v, art=ART, num_splits=1, return_stats=True)
+    hint = LongestWalkHint()
+    _, steps = art_decode(q, k, v, art=ART, num_splits=3, follow_step=20, walk_hint=hint, return_stats=True)
+    walks = single[..., 0]
+    leader = 20 + 44 // 3
+    expected = torch.where(walks <= leader, walks, torch.full_like(walks, 64)).max()
+    assert hint.steps == int(expected)
+    art_decode(q, k, v, walk_hint=hint)                                             # dense: nothing to record
+    assert hint.steps == int(expected)
 
 
 @pytest.mark.gpu

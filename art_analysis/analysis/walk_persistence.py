@@ -70,10 +70,10 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
     * ``longest_grew_fraction``: the ``(layer, t)`` pairs whose longest walk is longer than at ``t - 1``, where a
       hint taken from the previous step falls short;
     * ``split_choice_agreement``: for each threshold (blocks), the ``(layer, t)`` pairs whose longest walk lies on
-      the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split rule takes the dense split
-      count when the longest walk reaches its dense walk's length ``ceil(B Hkv N / (2 SMs))``
-      (``kernels.art_decode.dense_walk_ends_first``), so this is how often the previous step's hint leads to the
-      choice that the current walk would."""
+      the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split plan starts the followers at
+      once when the longest walk reaches its dense walk's length ``ceil(B Hkv N / (2 SMs))``, and defers them to
+      that walk otherwise (``kernels.art_decode.choose_follow_step``), so this is how often the previous step's hint
+      leads to the choice that the current walk would."""
     if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
         shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__
         raise ValueError(f"walks must be [layers, steps >= 2, B, Hkv], got {shape}")
