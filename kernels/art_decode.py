@@ -361,6 +361,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         from .walk_hint import LongestWalkHint
         if not isinstance(walk_hint, LongestWalkHint):
             raise TypeError(f"walk_hint must be a kernels.walk_hint.LongestWalkHint, got {type(walk_hint).__name__}")
+        if capturing and art is not None:
+            raise RuntimeError("walk_hint cannot record inside a CUDA-graph capture (its copy to the host would only "
+                               "happen at capture time); pass longest_stop_steps=hint.steps to a captured call")
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if num_splits is None:

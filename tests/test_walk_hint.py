@@ -108,3 +108,6 @@ def test_gpu_record_lands_without_a_wait_and_refuses_a_capture():
         with torch.cuda.graph(graph):
             _, steps = art_decode(q, k, v, art=ART, num_splits=1, return_stats=True)
             hint.record(steps)
+    with pytest.raises(RuntimeError, match="walk_hint cannot record inside a CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            art_decode(q, k, v, art=ART, num_splits=1, walk_hint=hint)           # refused before the launch
