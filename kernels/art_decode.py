@@ -108,8 +108,8 @@ synthetic 32/8, B = 8, 128k                0.055         0.085               0.9
 On the synthetic caches some walks run past 34 blocks (longest 36-42), their followers are released and load a
 first chunk each (loaded fraction 6.7 -> 10.5 % at B = 8, 32k); and the leader of a multi-split call takes
 6-7 us more than the single walk even with its followers idle.  Told the longest walk,
-the plan defers the followers to it: 0.066 / 0.057 / 0.062 ms on those three synthetic rows, the SmolLM2 rows as
-with the dense count (0.064 / 0.160 / 0.327).
+the plan defers the followers to it: 0.066 / 0.057 / 0.062 ms on those three synthetic rows, and the SmolLM2 rows
+take 0.064 / 0.160 / 0.327 (the old rule told the walk: 0.064 / 0.160 / 0.329).
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
