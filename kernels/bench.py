@@ -323,7 +323,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     for impl, hint in (("art", None), ("art_calibrated", longest)):
         _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        follow_step = choose_split_plan(batch, kv_heads, blocks, q.device, art, ART_BLOCK_SIZE, head_dim, hint)[1]
+        follow_step = default_follow_step(q, k, art, hint)
         extras[impl] = dict(num_splits=steps.shape[-1], follow_step=follow_step,
                             loaded_fraction=loaded_fraction(steps, seqlen),
                             monitor_runs=leader_can_stop(blocks, steps.shape[-1], art, follow_step),
@@ -359,6 +359,13 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                 row["time_bound_below_walks_dense"] = row["time_bound_ms"] < row["walks_dense_ms"]
     _speedups(rows)
     return rows
+
+
+def default_follow_step(q: torch.Tensor, k: torch.Tensor, art: ARTParams, longest_stop_steps: int | None) -> int:
+    """The follow step that ``art_decode(q, k, v, art=art, longest_stop_steps=...)`` takes at its default split plan
+    (``kernels.art_decode.choose_split_plan``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths."""
+    return choose_split_plan(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
+                             ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)[1]
 
 
 def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element_size: int,

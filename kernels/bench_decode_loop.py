@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import ART_BLOCK_SIZE, art_decode, choose_split_plan
+from .art_decode import art_decode
 from .art_params import ARTParams
-from .bench import ROUNDS, decode_query_shape, loaded_fraction, tiled_capture, time_interleaved
+from .bench import ROUNDS, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture, time_interleaved
 from .results_io import write_json_atomic
 from .walk_hint import LongestWalkHint
 
@@ -65,8 +65,7 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[impl], return_stats=True,
                                       walk_hint=hint if impl == "art_previous_step" else None)
                 row.update(longest_stop_steps=hints[impl], num_splits=steps.shape[-1],
-                           follow_step=choose_split_plan(batch, k.shape[1], -(-seqlen // ART_BLOCK_SIZE), device, art,
-                                                         ART_BLOCK_SIZE, k.shape[-1], hints[impl])[1],
+                           follow_step=default_follow_step(q, k, art, hints[impl]),
                            loaded_fraction=loaded_fraction(steps, seqlen))
             rows.append(row)
     return rows

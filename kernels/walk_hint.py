@@ -1,10 +1,11 @@
 """The longest ART walk of a layer's previous ``art_decode`` call, carried to its next call without a sync.
 
-``art_decode``'s default split rule does not know how long the monitored walks will run; it takes twice the
+``art_decode``'s default split plan does not know how long the monitored walks will run; it takes twice the
 earliest possible stop (``ART_STOP_MARGIN``), which fits the synthetic caches and not a real model's layers: on
-8 distinct SmolLM2 sequences at B = 32 x 32k the longest walk runs 349 steps, and a single split took 1.64x the
-dense call (``benchmarks/NOTES-art-decode.md``, V38).  Told the longest walk (``longest_stop_steps``), the rule
-takes the dense split count there, and walks persist from one decode step to the next well enough for the
+8 distinct SmolLM2 sequences at B = 32 x 32k the longest walk runs 349 steps, and the single split that the rule
+took then was 1.64x the dense call (``benchmarks/NOTES-art-decode.md``, V38; since V41 the followers are deferred
+to that guess instead, 0.153 ms against the dense 0.202).  Told the longest walk (``longest_stop_steps``), the plan
+starts the followers at once there (0.160 ms), and walks persist from one decode step to the next well enough for the
 previous step's longest walk to give the same choice in 207-210 of 210 (layer, step) pairs of the SmolLM2
 captures (V36, ``art_analysis.analysis.walk_persistence``); timed over a layer's 8 decode steps at B = 32, it took
 the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's time at 32k (V40,
