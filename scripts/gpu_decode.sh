@@ -42,7 +42,7 @@ for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
         # uniform lengths: one scalar length, descriptors made on the host and bounded at the length
         out = art_decode(q, kv[0], kv[1], cache_seqlens=torch.full_like(lengths, 513), art=art, num_splits=splits,
                          block_size=64)
-# deferred followers: released at the leader's step 3 (ragged, pointer loads) or waiting for a leader that stops
+# deferred followers: released at step 3 of the leader (ragged, pointer loads) or waiting for a leader that stops
 for follow in (3, 40):
     out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
                      num_splits=4, follow_step=follow, block_size=64)
