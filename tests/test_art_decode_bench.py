@@ -428,6 +428,35 @@ def test_paged_rows_report_a_walk_that_differs_from_the_contiguous_one(monkeypat
     assert bench.paged_summary(rows)["paged_art_walks_equal_contiguous"] == "0/2"
 
 
+def test_paged_rows_compare_the_leaders_walks_not_the_followers_loads(monkeypatch):
+    import kernels.bench as bench
+    from art_analysis.synthetic import synthetic_cache
+
+    cache = synthetic_cache(batch=2, num_q_heads=4, num_kv_heads=2, seqlen=256, head_dim=64, dtype=torch.float16)
+    real_art_decode = bench.art_decode
+
+    def followers_late_on_pages(*args, block_table=None, return_stats=False, **kwargs):
+        result = real_art_decode(*args, block_table=block_table, return_stats=return_stats, num_splits=2, **kwargs)
+        if not return_stats:
+            return result
+        out, steps = result
+        if block_table is not None:  # a follower that saw its leader's flag a chunk later loaded more blocks
+            steps = steps.clone()
+            steps[..., 1] += 1
+        return out, steps
+
+    monkeypatch.setattr(bench, "art_decode", followers_late_on_pages)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    rows = bench.bench_paged(cache.q, cache.k, cache.v, art=ARTParams(), rep_ms=1, ceiling=1.0, rounds=1)
+    art_rows = {r["page_size"]: r for r in rows if r["impl"] == "art"}
+    # pages of 64 hold whole 64-token blocks: the same tiles as the contiguous walk, so the same output bit for bit
+    assert art_rows[64]["num_splits"] == 2
+    assert art_rows[64]["loaded_fraction"] > art_rows[None]["loaded_fraction"]
+    assert art_rows[64]["equals_contiguous"] is True
+
+
 def test_decode_loop_tells_each_step_the_previous_steps_longest_walk(monkeypatch, tmp_path):
     import itertools
 
