@@ -106,8 +106,9 @@ synthetic 32/8, B = 8, 128k                0.055         0.085               0.9
 =========================================  ============  ==================  ==========
 
 On the synthetic caches some walks run past 34 blocks (longest 36-42), their followers are released and load a
-first chunk each (loaded fraction 6.7 -> 10.5 % at B = 8, 32k); and the leader of a multi-split call takes
-6-7 us more than the single walk even with its followers idle.  Told the longest walk,
+first chunk each (loaded fraction 6.7 -> 10.5 % at B = 8, 32k); and at ``D = 128`` the monitored step of every
+multi-split build takes about 9 % more than the single walk's (1.30 against 1.19 us, with every follower idle; V42),
+6-7 us over these walks.  Told the longest walk,
 the plan defers the followers to it: 0.066 / 0.057 / 0.062 ms on those three synthetic rows, and the SmolLM2 rows
 take 0.064 / 0.160 / 0.327 (the old rule told the walk: 0.064 / 0.160 / 0.329).
 
@@ -241,6 +242,7 @@ from .art_decode_kernel import HORIZON_CAP, art_decode_split_kernel
 from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
+from .int_checks import check_count
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -351,12 +353,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         raise ValueError(f"an ART walk is at most {MAX_ART_STEPS} blocks ({MAX_ART_STEPS * block_size} tokens at "
                          f"block_size={block_size}); max(cache_seqlens)={max_len} needs {max_steps}: use a larger "
                          "block_size or art=None")
-    if longest_stop_steps is not None and (isinstance(longest_stop_steps, bool)
-                                           or not isinstance(longest_stop_steps, int) or longest_stop_steps < 1):
-        raise ValueError(f"longest_stop_steps must be a positive int (blocks), got {longest_stop_steps!r}")
-    if follow_step is not None and (isinstance(follow_step, bool) or not isinstance(follow_step, int)
-                                    or follow_step < 0):
-        raise ValueError(f"follow_step must be an int >= 0 (blocks), got {follow_step!r}")
+    if longest_stop_steps is not None:
+        check_count(longest_stop_steps, "longest_stop_steps", 1, unit="blocks")
+    if follow_step is not None:
+        check_count(follow_step, "follow_step", 0, unit="blocks")
     if walk_hint is not None:
         from .walk_hint import LongestWalkHint
         if not isinstance(walk_hint, LongestWalkHint):
@@ -370,8 +370,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
                                                             head_dim, longest_stop_steps=longest_stop_steps)
         follow_step = planned_follow_step if follow_step is None else follow_step
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    else:
+        check_count(num_splits, "num_splits", 1, MAX_SPLITS)
     if art is None or num_splits == 1 or follow_step is None:
         follow_step = 0
     monitored = art is not None

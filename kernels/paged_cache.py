@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .int_checks import check_count
+
 
 def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
              spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -26,10 +28,8 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
         raise ValueError(f"k and v must both be [B, Hkv, S, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if v.dtype != k.dtype or v.device != k.device:
         raise ValueError(f"k and v must share dtype and device, got {k.dtype} on {k.device} and {v.dtype} on {v.device}")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if isinstance(spare_pages, bool) or not isinstance(spare_pages, int) or spare_pages < 0:
-        raise ValueError(f"spare_pages must be an int >= 0, got {spare_pages!r}")
+    check_count(page_size, "page_size", 1)
+    check_count(spare_pages, "spare_pages", 0)
     batch, kv_heads, seqlen, dim = k.shape
     per_seq = math.ceil(seqlen / page_size)
     num_pages = batch * per_seq + spare_pages

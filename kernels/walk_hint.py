@@ -29,6 +29,7 @@ from collections import deque
 import torch
 
 from .art_decode import leader_range
+from .int_checks import check_count
 
 
 class LongestWalkHint:
@@ -68,8 +69,7 @@ class LongestWalkHint:
             described = (f"{tuple(steps.shape)} {steps.dtype}" if isinstance(steps, torch.Tensor)
                          else type(steps).__name__)
             raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
-        if isinstance(follow_step, bool) or not isinstance(follow_step, int) or follow_step < 0:
-            raise ValueError(f"follow_step must be an int >= 0, got {follow_step!r}")
+        check_count(follow_step, "follow_step", 0)
         longest = longest_walk(steps, follow_step)
         if steps.device.type != "cuda":
             self._pending.clear()

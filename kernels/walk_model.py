@@ -20,6 +20,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from .int_checks import check_count
+
 
 def shared_bandwidth_ms(walk_steps: Sequence[int], *, step_us: float, fixed_us: float, block_bytes: int,
                         bandwidth_tb_per_s: float, slots: int) -> float:
@@ -43,8 +45,7 @@ def shared_bandwidth_ms(walk_steps: Sequence[int], *, step_us: float, fixed_us: 
             raise ValueError(f"{name} must be > 0, got {value!r}")
     if not fixed_us >= 0:
         raise ValueError(f"fixed_us must be >= 0, got {fixed_us!r}")
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    check_count(slots, "slots", 1)
     bytes_per_us = bandwidth_tb_per_s * 1e6
     # every running walk advances alike, so a walk ends when the common progress reaches its start + length
     progress, elapsed_us = 0.0, 0.0
