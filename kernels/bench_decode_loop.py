@@ -17,7 +17,7 @@ inputs:
 
 Each row keeps the step's split count and loaded fraction; the summary per length adds the steps up (the layer's
 attention time over the loop) and counts the steps whose previous-step hint chose the calibrated split count.
-Times are CUDA-graph medians in interleaved rounds (:func:`kernels.bench.time_interleaved`).
+Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by a read (:func:`kernels.bench.time_interleaved`).
 
 ``run(out_dir, capture, art=...)`` writes ``<out_dir>/<date>-art-decode-loop.json``.
 """
@@ -108,6 +108,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
         "capture": Path(capture).name,
         "batch": LOOP_BATCH,
         "art": dataclasses.asdict(art),
+        "l2_flush": "read",
     }
     path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode-loop.json"
     loops = []

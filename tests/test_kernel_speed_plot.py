@@ -43,3 +43,15 @@ def test_the_figure_adds_the_paged_panel_only_when_the_results_have_paged_rows()
         plt.close(fig)
     assert titles == [["S = 8k", "S = 32k", "ART: time against traffic"],
                       ["S = 8k", "S = 32k", "paged layout (shuffled pages)", "ART: time against traffic"]]
+
+
+def test_the_title_says_how_the_run_emptied_the_l2():
+    rows = [dict(data="synthetic", batch=8, seqlen=8192, impl="art_dense", ms=1.0, tb_per_s=4.0)]
+    results = {"rows": rows, "copy_ceiling_tb_per_s": 4.2, "device": "test", "date": "2026-12-02"}
+    titles = []
+    for extra in ({"l2_flush": "read"}, {}):       # runs before the key was written used do_bench's memset
+        fig = kernel_speed_figure({**results, **extra})
+        titles.append(fig._suptitle.get_text())
+        plt.close(fig)
+    assert "L2 emptied by a read" in titles[0]
+    assert "L2 emptied by do_bench's memset" in titles[1]

@@ -27,6 +27,8 @@ IMPL_STYLES = {
 
 PAGED_STYLES = {"art_dense": dict(color="black", label="dense"), "art": dict(color="tab:green", label="ART")}
 PAGE_HATCHES = ("//", "", "..", "xx")
+# how the run emptied the L2 before each timed call (kernels.l2_flush); results without the key used do_bench's memset
+FLUSH_WORDS = {"read": "a read", "memset": "do_bench's memset"}
 
 
 def paged_panel(ax, paged: list[dict]) -> None:
@@ -115,7 +117,8 @@ def kernel_speed_figure(results: dict):
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the panel: its points reach the top
     fig.subplots_adjust(wspace=0.3)   # room for the last panel's own y label
     fig.suptitle(f"{results['device']}: decode attention, Hq/Hkv = 32/8, D = 128, bf16 "
-                 f"(CUDA-graph do_bench medians, {results['date'][:10]}; ART rows count the whole cache)")
+                 f"(CUDA-graph do_bench medians, L2 emptied by {FLUSH_WORDS[results.get('l2_flush', 'memset')]}, "
+                 f"{results['date'][:10]}; ART rows count the whole cache)")
     return fig
 
 
