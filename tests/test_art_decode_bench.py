@@ -143,6 +143,13 @@ def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
     assert summary["monitor_overhead_rows_over_target"] == 1
     assert summary["monitor_overhead_resolved_rows"] == 1
     assert abs(summary["monitor_overhead_max_resolved"] - (1.008 / 1.001 - 1)) < 1e-12
+    # the fastest rounds: 1.007 / 1.000, 1.990 / 2.000 and 3.001 / 3.000
+    assert abs(summary["monitor_overhead_fastest_rounds_max"] - (1.007 / 1.000 - 1)) < 1e-12
+    assert summary["monitor_overhead_fastest_rounds_over_target"] == 0
+    rows[3]["ms_rounds"] = [2.040, 2.050, 2.060]                    # every round slow: over the target either way
+    summary = summarise(rows, 4.2)
+    assert abs(summary["monitor_overhead_fastest_rounds_max"] - (2.040 / 2.000 - 1)) < 1e-12
+    assert summary["monitor_overhead_fastest_rounds_over_target"] == 1
     assert summarise(rows[:2], 4.2)["monitor_overhead_rows_over_target"] == 0
 
 
