@@ -91,7 +91,7 @@ from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
-from .results_io import write_json_atomic
+from .results_io import input_file_record, write_json_atomic
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -661,6 +661,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         "art": dataclasses.asdict(art),
         "copy_ceiling_tb_per_s": ceiling,
         "l2_flush": "read",
+        "capture_file": input_file_record(capture) if capture is not None else None,
     }
     cases = [("synthetic", b, s) for s in lengths for b in batches
              if 2 * b * KV_HEADS * s * HEAD_DIM * 2 <= MAX_KV_BYTES]

@@ -35,7 +35,7 @@ import triton
 from .art_decode import art_decode
 from .art_params import ARTParams
 from .bench import ROUNDS, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture, time_interleaved
-from .results_io import write_json_atomic
+from .results_io import input_file_record, write_json_atomic
 from .walk_hint import LongestWalkHint
 
 LOOP_BATCH = 32
@@ -106,6 +106,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "quick": quick,
         "capture": Path(capture).name,
+        "capture_file": input_file_record(capture),
         "batch": LOOP_BATCH,
         "art": dataclasses.asdict(art),
         "l2_flush": "read",

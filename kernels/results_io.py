@@ -1,7 +1,8 @@
-"""Result files: writing them atomically (a temporary file in the same folder, then a rename), and
-finding the newest result of a benchmark suite."""
+"""Result files: writing them atomically (a temporary file in the same folder, then a rename), naming the inputs
+they were measured on, and finding the newest result of a benchmark suite."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -26,6 +27,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, payload, indent: int = 2) -> Path:
     """``payload`` as JSON (trailing newline) through :func:`write_text_atomic`."""
     return write_text_atomic(path, json.dumps(payload, indent=indent) + "\n")
+
+
+def input_file_record(path: str | os.PathLike) -> dict:
+    """``{"name", "bytes", "sha256"}`` of an input file (a captured layer), so that a result names the data it was
+    measured on whatever the file was called where it ran."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 RESULTS_DIR = Path("benchmarks/results")
