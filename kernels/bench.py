@@ -548,6 +548,11 @@ def round_spread(row: dict) -> float:
     return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else 0.0
 
 
+def fastest_round_ms(row: dict) -> float:
+    """A row's fastest round (its ``ms`` without ``ms_rounds``): a power-capped round is only ever slower."""
+    return min(row.get("ms_rounds") or [row["ms"]])
+
+
 def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
               agreement: list[dict] | None = None) -> dict:
     """The issue's targets, checked on the rows of the main grid; with ``lone_walk`` (``{data:``
@@ -560,14 +565,12 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     fastest round of each (``monitor_overhead_fastest_rounds_*``): a power-capped card only ever slows a round, and
     which of the two calls draws the cap is chance (``benchmarks/NOTES-art-decode.md``, V38, V43)."""
     by_shape: dict = {}
-    spread: dict = {}
-    fastest: dict = {}
+    timed: dict = {}
     monitor_skipped = set()
     for r in rows:
         if "ms" in r:
             by_shape.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = r["ms"]
-            spread.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = round_spread(r)
-            fastest.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = min(r.get("ms_rounds") or [r["ms"]])
+            timed.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = r
         if r["impl"] == "art_never" and not r.get("monitor_runs", True):
             monitor_skipped.add((r["data"], r["batch"], r["seqlen"]))
     dense_ratio, overhead, resolved, overhead_fastest, b1 = [], [], [], [], None
@@ -577,10 +580,9 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
             dense_ratio.append(min(peers) / impls["art_dense"])
         if "art_never" in impls and "art_dense_bs64" in impls and (data, batch, seqlen) not in monitor_skipped:
             overhead.append(impls["art_never"] / impls["art_dense_bs64"] - 1)
-            pair_fastest = fastest[(data, batch, seqlen)]
-            overhead_fastest.append(pair_fastest["art_never"] / pair_fastest["art_dense_bs64"] - 1)
-            pair_spread = spread[(data, batch, seqlen)]
-            if max(pair_spread["art_never"], pair_spread["art_dense_bs64"]) <= MONITOR_OVERHEAD_TARGET:
+            never, reference = timed[(data, batch, seqlen)]["art_never"], timed[(data, batch, seqlen)]["art_dense_bs64"]
+            overhead_fastest.append(fastest_round_ms(never) / fastest_round_ms(reference) - 1)
+            if max(round_spread(never), round_spread(reference)) <= MONITOR_OVERHEAD_TARGET:
                 resolved.append(overhead[-1])
         if data == "synthetic" and batch == 1 and seqlen == 32768 and peers and "art_dense" in impls:
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
