@@ -112,6 +112,19 @@ multi-split build takes about 9 % more than the single walk's (1.30 against 1.19
 the plan defers the followers to it: 0.066 / 0.057 / 0.062 ms on those three synthetic rows, and the SmolLM2 rows
 take 0.064 / 0.160 / 0.327 (the old rule told the walk: 0.064 / 0.160 / 0.329).
 
+**Per-pair splits** (``pair_walks``, :mod:`kernels.pair_walks`).  Where the pairs fill the GPU the plan above
+takes one split, and the call then lasts as long as its longest walk, at about the lone pace once the shorter walks
+have ended.  A real layer's walks are lopsided (SmolLM2 layer 15 tiled to B = 128 x 32k: 22 of 384 walks run
+187-484 blocks, the rest at most 122).  Told each pair's expected walk (a :class:`kernels.pair_walks.PairWalks`, e.g.
+of the layer's previous call), the launcher gives the pairs expected to walk more than a threshold every split at
+once, the leader scheme above for those pairs alone, and keeps the others single: the kernel reads each pair's walk,
+and a pair below the threshold has the whole walk in its leader's range and empty ranges in its followers, which
+arrive at once.  :func:`choose_pair_plan` takes the threshold and split count that minimise the longest walk or
+split range plus the blocks loaded over the dense pace.  A pair's result is that of the plan it takes: the single
+walk's, or that of the leader scheme over its split count (its leader stops within its range, or the walk is
+dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
+walk nothing.
+
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
 ``acq_rel`` atomic: the program's partial stores are released before the increment); the
@@ -268,6 +281,9 @@ ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
 ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
+# blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
+# multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
+DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -275,7 +291,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
-               follow_step: int | None = None, walk_hint=None, return_lse: bool = False, return_stats: bool = False):
+               follow_step: int | None = None, walk_hint=None, pair_walks=None, return_lse: bool = False,
+               return_stats: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -309,6 +326,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
             default ``longest_stop_steps``, and this call's walks are recorded into it (with ``art``; not
             inside a CUDA-graph capture).
+        pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
+            pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
+            one split, the pairs expected to walk long take every split of :func:`choose_pair_plan` (module
+            docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -366,16 +387,27 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                                "happen at capture time); pass longest_stop_steps=hint.steps to a captured call")
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
+    if pair_walks is not None:
+        _check_pair_walks(pair_walks, batch, kv_heads, q.device, art, num_splits, follow_step)
+        if longest_stop_steps is None:
+            longest_stop_steps = pair_walks.sorted_walks[-1]
+    pair_threshold = None
     if num_splits is None:
         num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
                                                             head_dim, longest_stop_steps=longest_stop_steps)
         follow_step = planned_follow_step if follow_step is None else follow_step
+        pair_plan = None if pair_walks is None else choose_pair_splits(batch, kv_heads, max_steps, q.device, art,
+                                                                       block_size, head_dim, pair_walks)
+        if pair_plan is not None:
+            num_splits, pair_threshold = pair_plan
     else:
         check_count(num_splits, "num_splits", 1, MAX_SPLITS)
-    if art is None or num_splits == 1 or follow_step is None:
+    if art is None or num_splits == 1 or follow_step is None or pair_threshold is not None:
         follow_step = 0
     monitored = art is not None
-    if art is not None and not leader_can_stop(max_steps, num_splits, art, follow_step):
+    # with per-pair splits, the pairs below the threshold walk the whole range: the monitor can stop there
+    if art is not None and not leader_can_stop(max_steps, 1 if pair_threshold is not None else num_splits, art,
+                                               follow_step):
         art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
         follow_step = 0
 
@@ -401,8 +433,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
                       leader_steps=(leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, batch * kv_heads * num_splits, loads,
-                                           paged=paged)
+    programs = batch * kv_heads * num_splits
+    if pair_threshold is not None:   # the followers of the pairs below the threshold have empty ranges
+        programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -411,13 +445,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
     deferred = follow_step > 0
-    grid = (batch * kv_heads, num_splits) if deferred else (num_splits, batch * kv_heads)
+    pair_gates = pair_threshold is not None
+    grid = (batch * kv_heads, num_splits) if deferred or pair_gates else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
-        out, lse, part_out, part_lse, steps, arrivals,
+        out, lse, part_out, part_lse, steps, arrivals, pair_walks.walks if pair_gates else steps,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * follow_step,
+        pair_threshold if pair_gates else 0,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
@@ -429,7 +465,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, num_warps=num_warps,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates, num_warps=num_warps,
         num_stages=num_stages)
     if walk_hint is not None and monitored:
         walk_hint.record(steps, follow_step=follow_step)
@@ -489,6 +525,46 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, device, longest):
         return 0
     return longest
+
+
+def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
+                       block_size: int, head_dim: int, pair_walks) -> tuple[int, int] | None:
+    """``(num_splits, threshold)`` of the per-pair splits that a call told ``pair_walks`` (a
+    :class:`kernels.pair_walks.PairWalks`) takes at the default split count, or ``None`` where it takes none: where
+    :func:`choose_split_plan`, told the walks' longest, takes one split, :func:`choose_pair_plan`'s if that takes
+    several."""
+    if choose_split_plan(batch, kv_heads, max_steps, device, art, block_size, head_dim,
+                         longest_stop_steps=pair_walks.sorted_walks[-1])[0] > 1:
+        return None
+    num_splits, threshold = choose_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, device)
+    return (num_splits, threshold) if num_splits > 1 else None
+
+
+def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, threshold)`` of per-pair splits (module docstring) for the expected walks ``sorted_walks``
+    (blocks, ascending, one per pair) of walks of at most ``max_steps`` blocks: the pairs expected to walk more
+    than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when no pair should.
+
+    Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
+    walk, or the split pairs' range (``max_steps / splits`` with ``splits = ceil(max_steps / t)``, capped at
+    ``MAX_SPLITS``), whichever is longer, plus the blocks that the call loads (the single walks' and every block
+    of the split pairs) over the device's dense pace (``DENSE_BLOCKS_PER_LONE_STEP`` per multiprocessor): the
+    latency of the longest walk and the bandwidth of all, taken as consecutive phases, as a walk that shares the
+    bandwidth and then runs alone does.  The cheapest wins."""
+    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device)
+    walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
+    best_cost, best = None, (1, walks[-1])
+    loaded = 0
+    for i, threshold in enumerate(walks):
+        loaded += threshold
+        if i + 1 < len(walks) and walks[i + 1] == threshold:
+            continue
+        split_pairs = len(walks) - i - 1
+        splits = 1 if split_pairs == 0 else min(MAX_SPLITS, -(-max_steps // threshold))
+        cost = max(threshold, -(-max_steps // splits)) + (loaded + split_pairs * max_steps) / rate
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, (splits, threshold)
+    return best
 
 
 def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.device) -> int:
@@ -687,6 +763,22 @@ def _check_tensors(q, k_cache, v_cache, block_table):
         if block_table.stride(1) != 1:
             raise ValueError("block_table must have unit stride along pages")
     return batch, q_heads, head_dim
+
+
+def _check_pair_walks(pair_walks, batch: int, kv_heads: int, device: torch.device, art, num_splits, follow_step):
+    from .pair_walks import PairWalks
+    if not isinstance(pair_walks, PairWalks):
+        raise TypeError(f"pair_walks must be a kernels.pair_walks.PairWalks, got {type(pair_walks).__name__}")
+    if art is None:
+        raise ValueError("pair_walks plans the monitored walks: it needs art (got art=None)")
+    if num_splits is not None or follow_step is not None:
+        raise ValueError("pair_walks chooses the split count and the followers' start: pass neither num_splits "
+                         "nor follow_step with it")
+    if tuple(pair_walks.walks.shape) != (batch, kv_heads):
+        raise ValueError(f"pair_walks must hold one walk per (b, kv_head): [{batch}, {kv_heads}], got "
+                         f"{list(pair_walks.walks.shape)}")
+    if pair_walks.walks.device != device:
+        raise ValueError(f"pair_walks must be on q's device {device}, got {pair_walks.walks.device}")
 
 
 def _check_seqlens(cache_seqlens, batch, capacity, capacity_name, device, read_values=True):

@@ -37,7 +37,11 @@ each chunk and stop too; the combine then ignores them
 ``_await_leader`` until the leader has raised that flag (they walk nothing) or bit ``RELEASED``, which it sets
 at the end of a chunk at or past its step ``follow_step`` without being done (its chunks also end there); the
 ranges then cut the walk past the follow step, the leader's holding the steps before it too, and the grid is
-``(B * Hkv, splits)`` so that every leader is dispatched before any follower.
+``(B * Hkv, splits)`` so that every leader is dispatched before any follower.  With ``PAIR_GATES`` (per-pair
+splits, ``kernels.pair_walks``) each pair's expected walk (``walks [B * Hkv]``) decides its ranges: a pair
+expected to walk more than ``walk_threshold`` blocks is cut as in the leader scheme (followers at once), any other
+is the single walk (the leader's range is the whole walk, its followers' ranges are empty); the grid is then
+``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -419,12 +423,12 @@ def _await_leader(ptr, max_polls):
     return ((state & CONVERGED) != 0).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls"])
+@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "walk_threshold"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, walks_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, walk_threshold,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -434,10 +438,11 @@ def art_decode_split_kernel(
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
         RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        DEFERRED: tl.constexpr):
-    """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED``.  See the module docstring for the
-    buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred followers' (``DEFERRED``; unused
-    otherwise).
+        DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED`` or ``PAIR_GATES``.  See the module
+    docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred followers'
+    (``DEFERRED``; unused otherwise); ``walks_ptr [B * Hkv]`` (int32) and ``walk_threshold``: the per-pair splits'
+    (``PAIR_GATES``; unused otherwise).
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
@@ -456,9 +461,9 @@ def art_decode_split_kernel(
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
     heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""
-    if DEFERRED:
+    if DEFERRED or PAIR_GATES:
         # grid (B * Hkv, splits): every leader is dispatched before any follower, one per multiprocessor first,
-        # and the followers that wait for them fill the rest
+        # and the followers that wait for them (or, per pair, have nothing to walk) fill the rest
         bh = tl.program_id(0)
         split = tl.program_id(1)
     else:
@@ -483,11 +488,14 @@ def art_decode_split_kernel(
     if DEFERRED:
         # (bounded below too: a gate the compiler cannot prove non-negative serialises the step's MMAs)
         gate = tl.maximum(tl.minimum(follow_step.to(num_blocks.dtype), num_blocks), 0)
+    if PAIR_GATES:
+        # a pair expected to walk past the threshold takes every split at once, any other is the single walk
+        gate = tl.where(tl.load(walks_ptr + bh) > walk_threshold, 0, num_blocks)
     base = (num_blocks - gate) // num_splits
     longer_from = num_splits - (num_blocks - gate) % num_splits
     start = gate + split * base + tl.maximum(split - longer_from, 0)
     end = start + base + (split >= longer_from).to(base.dtype)
-    if DEFERRED:
+    if DEFERRED or PAIR_GATES:
         start = tl.where(split == 0, 0, start)
 
     rows = tl.arange(0, BLOCK_H)

@@ -16,9 +16,11 @@ measures:
   ``kernels.art_decode.leader_can_stop``), and with the given ART thresholds at the default split count
   (``num_splits`` and ``follow_step`` of ``kernels.art_decode.choose_split_plan``: followers deferred until the
   leader has walked that many blocks, or 0),
-  and again with the split rule told the longest walk (``art_calibrated``: ``longest_stop_steps`` from
-  the stats of one earlier single-split call on the same inputs; a decode loop has only its previous step's,
-  which :mod:`kernels.bench_decode_loop` times);
+  and again told each walk (``art_calibrated``: ``pair_walks`` from the stats of one earlier single-split call
+  on the same inputs, so the split rule takes their longest as ``longest_stop_steps``, and where it then takes one
+  split the walks expected to run long take every split of ``kernels.art_decode.choose_pair_plan``:
+  ``pair_split_threshold``, ``pair_split_walks``; a decode loop has only its previous step's longest walk, which
+  :mod:`kernels.bench_decode_loop` times);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
@@ -86,11 +88,12 @@ import triton.testing
 from tqdm.auto import tqdm
 
 from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode,
-                         choose_num_splits, choose_split_plan, leader_can_stop, leader_splits)
+                         choose_num_splits, choose_pair_splits, choose_split_plan, leader_can_stop, leader_splits)
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
+from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
 from .walk_model import shared_bandwidth_ms
 
@@ -318,7 +321,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     calls["art_dense_bs64"] = lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits)
     calls["art_never"] = lambda: art_decode(q, k, v, art=NEVER, num_splits=splits)
     calls["art"] = lambda: art_decode(q, k, v, art=art)
-    calls["art_calibrated"] = lambda: art_decode(q, k, v, art=art, longest_stop_steps=longest)
+    pair_walks = PairWalks.from_walks(single_steps[..., 0])
+    calls["art_calibrated"] = lambda: art_decode(q, k, v, art=art, pair_walks=pair_walks)
     q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
     calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
                                                   block_size=ART_BLOCK_SIZE, num_splits=1)
@@ -329,16 +333,21 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
                                       loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
-    for impl, hint in (("art", None), ("art_calibrated", longest)):
-        _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hint, return_stats=True)
+    for impl, hint in (("art", None), ("art_calibrated", pair_walks)):
+        _, steps = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        follow_step = default_follow_step(q, k, art, hint)
-        extras[impl] = dict(num_splits=steps.shape[-1], follow_step=follow_step,
+        follow_step = default_follow_step(q, k, art, None if hint is None else longest)
+        pair_plan = None if hint is None else bench_pair_plan(q, k, art, hint)
+        extras[impl] = dict(num_splits=steps.shape[-1], follow_step=0 if pair_plan is not None else follow_step,
                             loaded_fraction=loaded_fraction(steps, seqlen),
                             monitor_runs=leader_can_stop(blocks, steps.shape[-1], art, follow_step),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))
     extras["art_calibrated"]["longest_stop_steps"] = longest
+    pair_plan = bench_pair_plan(q, k, art, pair_walks)
+    if pair_plan is not None:
+        extras["art_calibrated"].update(pair_split_threshold=pair_plan[1],
+                                        pair_split_walks=sum(w > pair_plan[1] for w in pair_walks.sorted_walks))
     results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS)
     rows = []
     for impl, result in results.items():
@@ -383,6 +392,14 @@ def default_follow_step(q: torch.Tensor, k: torch.Tensor, art: ARTParams, longes
     (``kernels.art_decode.choose_split_plan``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths."""
     return choose_split_plan(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
                              ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)[1]
+
+
+def bench_pair_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams, pair_walks: PairWalks) -> tuple[int, int] | None:
+    """The per-pair splits ``(num_splits, threshold)`` that ``art_decode(q, k, v, art=art, pair_walks=pair_walks)``
+    takes (``kernels.art_decode.choose_pair_splits``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths,
+    or ``None``."""
+    return choose_pair_splits(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
+                              ART_BLOCK_SIZE, k.shape[-1], pair_walks)
 
 
 def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element_size: int,

@@ -290,6 +290,78 @@ def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk
     assert torch.equal(steps[..., 0].long(), expected) and torch.equal(out, single)
 
 
+def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, record_decode_launches):
+    """The pairs expected to walk past the threshold run the leader scheme over every split, the others the single
+    walk: each pair's output, lse and steps equal those of a uniform call with its plan, bit for bit."""
+    from kernels.pair_walks import PairWalks
+
+    q, k, v = synthetic_inputs(3, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps, 6 pairs
+    params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    leader = art_decode(q, k, v, art=params, num_splits=3, return_lse=True, return_stats=True)
+    walks = single[2][..., 0]
+    threshold = int(walks.flatten().sort().values[2])
+    split = walks > threshold
+    assert split.any() and (~split).any() and (single[2][split] < 24).any(), "the case must cover both plans"
+    monkeypatch.setattr(art_decode_module, "choose_pair_plan", lambda *args: (3, threshold))
+    launches = record_decode_launches(forward=True)
+    out, lse, steps = art_decode(q, k, v, art=params, pair_walks=PairWalks.from_walks(walks), return_lse=True,
+                                 return_stats=True)
+    call = launches.calls[0]
+    assert call.grid == (6, 3) and call.kwargs["PAIR_GATES"] and not call.kwargs["DEFERRED"]
+    assert call.args[launches.kernel.arg_names.index("walk_threshold")] == threshold
+    heads = split.repeat_interleave(4, dim=1)
+    assert torch.equal(out[heads], leader[0][heads]) and torch.equal(lse[heads], leader[1][heads])
+    assert torch.equal(steps[split], leader[2][split])
+    assert torch.equal(out[~heads], single[0][~heads]) and torch.equal(lse[~heads], single[1][~heads])
+    assert torch.equal(steps[~split], torch.stack([walks[~split], *[torch.zeros_like(walks[~split])] * 2], -1))
+    # a walk longer than expected still stops where the simulator does: no pair is cut short by its plan
+    expected, _ = simulator_stop(q, k, v, None, ARTConfig(tau=1e-3, phi=1e-4, patience=3), "sink_recency")
+    assert torch.equal(steps[~split][:, 0].long(), expected[~split])
+
+
+def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch):
+    from kernels.art_decode import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
+
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    # 380 walks of 10 blocks and 4 of 400 in 512: split the 4 into ranges of 10 blocks (52 splits, cost about
+    # 10 + 5848 / 251 = 33 lone steps against 400 + 5400 / 251 = 422 for one split)
+    assert choose_pair_plan([10] * 380 + [400] * 4, 512, 64, CPU) == (52, 10)
+    assert DENSE_BLOCKS_PER_LONE_STEP[64] * 132 == pytest.approx(250.8)
+    # even walks: nothing to split
+    assert choose_pair_plan([30] * 384, 512, 128, CPU) == (1, 30)
+    # many walks of 60 in 2048 blocks: splitting them would load far more than their latency saves
+    assert choose_pair_plan([10] * 200 + [60] * 184, 2048, 128, CPU) == (1, 60)
+    # but walks that nearly reach the end lose little by running every split: 184 of 120 in 128 blocks
+    assert choose_pair_plan([10] * 200 + [120] * 184, 128, 128, CPU) == (13, 10)
+    # a few 1-block walks cap the split count at MAX_SPLITS, and expected walks past the length count as the length
+    splits, threshold = choose_pair_plan([1] * 383 + [9999], 2048, 64, CPU)
+    assert (splits, threshold) == (MAX_SPLITS, 1)
+
+
+def test_pair_walks_reject_bad_input():
+    from kernels.pair_walks import PairWalks
+
+    q, k, v = synthetic_inputs(2, 4, 2, 256, 64, torch.float16, CPU)
+    params = ARTConfig().kernel_params()
+    walks = PairWalks.from_walks(torch.tensor([[3, 4], [1, 4]]))
+    assert walks.sorted_walks == (1, 3, 4, 4) and walks.walks.dtype == torch.int32
+    for bad, message in ((torch.tensor([3, 4]), r"\[B, Hkv\] integer tensor"),
+                         (torch.ones(2, 2), r"\[B, Hkv\] integer tensor"),
+                         (torch.tensor([[0, 4], [1, 4]]), r"in \[1, 2\*\*31\) blocks, got \[0, 4\]")):
+        with pytest.raises(ValueError, match=message):
+            PairWalks.from_walks(bad)
+    with pytest.raises(TypeError, match="pair_walks must be a kernels.pair_walks.PairWalks"):
+        art_decode(q, k, v, art=params, pair_walks=torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="it needs art"):
+        art_decode(q, k, v, pair_walks=walks)
+    for extra in ({"num_splits": 2}, {"follow_step": 4}):
+        with pytest.raises(ValueError, match="pass neither num_splits nor follow_step"):
+            art_decode(q, k, v, art=params, pair_walks=walks, **extra)
+    with pytest.raises(ValueError, match=r"one walk per \(b, kv_head\): \[2, 2\], got \[1, 2\]"):
+        art_decode(q, k, v, art=params, pair_walks=PairWalks.from_walks(torch.tensor([[3, 4]])))
+
+
 def test_splits_take_balanced_ranges_with_the_leader_among_the_shortest():
     from kernels.art_params import ARTParams
 
@@ -721,3 +793,35 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
                 assert not steps[..., 1:][held_back].any(), "a follower of a leader that stopped by the follow step loaded"
         assert mismatched_calls == 0, f"{mismatched_calls} of 20 calls differ ({config})"
     assert held_back_pairs > 0 or not follow_step, "the case must have leaders that stop by the follow step"
+
+
+@pytest.mark.gpu
+def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call():
+    # B = 128 x 8k fills the GPU, so the plan is one split; told that 16 pairs walk the whole 128 blocks, the launcher
+    # splits those (choose_pair_plan) and keeps the rest single.  Every call, each pair's output must be its plan's:
+    # the single walk's bit for bit, or the leader scheme's over the split count (the single walk where the leader
+    # stopped in its range, else the dense output of that partition).
+    from kernels.pair_walks import PairWalks
+
+    q, k, v = synthetic_inputs(128, 32, 8, 8192, 128, torch.bfloat16, _cuda(), seed=5)
+    params = ARTConfig().kernel_params()
+    single, single_steps = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)
+    expected = single_steps[..., 0].clone()
+    expected.view(-1)[::64] = 128
+    walks = PairWalks.from_walks(expected)
+    plan = art_decode_module.choose_pair_splits(128, 8, 128, q.device, params, 64, 128, walks)
+    assert plan is not None, "the case must take per-pair splits"
+    splits, threshold = plan
+    split = (expected > threshold).repeat_interleave(4, dim=1)
+    dense = art_decode(q, k, v, art=dataclasses.replace(params, tau=0.0, phi=0.0), num_splits=splits)
+    leader_range = art_decode_module.leader_range(128, splits)
+    for _ in range(10):
+        out, steps = art_decode(q, k, v, art=params, pair_walks=walks, return_stats=True)
+        assert steps.shape[-1] == splits
+        leader = steps[..., 0].repeat_interleave(4, dim=1)
+        assert torch.equal(out[~split], single[~split])
+        assert torch.equal(steps[..., 0][~split[:, ::4]], single_steps[..., 0][~split[:, ::4]])
+        assert not steps[..., 1:][~split[:, ::4]].any(), "a follower of a single-walk pair loaded"
+        right = torch.where(leader < leader_range, (out == single).all(-1),
+                            (out == single).all(-1) | (out == dense).all(-1))
+        assert bool(right[split].all())

@@ -19,6 +19,7 @@ import torch
 
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode
+from kernels.pair_walks import PairWalks
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
@@ -60,7 +61,7 @@ def _compile_request(label: str, arg_names, call) -> dict:
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
-# lengths (descriptors made in the kernel or on the host), deferred followers, the paged layout (one tile per page of 16 tokens, one
+# lengths (descriptors made in the kernel or on the host), deferred followers, per-pair splits, the paged layout (one tile per page of 16 tokens, one
 # per block within a page, pointer loads on pages of 8), the dense walk, fp32 and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -77,11 +78,15 @@ CASES = [
     ("group 4, deferred followers, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=4, follow_step=34)),
     ("group 3, deferred followers, ragged, D 64", 9, 3, 64, torch.bfloat16, True,
      dict(num_splits=5, follow_step=20, ragged=True)),
+    ("group 4, per-pair splits, uniform", 32, 8, 128, torch.bfloat16, True, dict(lopsided_walks=True)),
+    ("group 3, per-pair splits, ragged, D 64", 9, 3, 64, torch.bfloat16, True, dict(lopsided_walks=True, ragged=True)),
 ]
 
 
-def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, page_size=16, **kwargs):
-    """One ``art_decode`` call of a ``CASES`` entry on small CPU tensors."""
+def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=False, page_size=16, lopsided_walks=False,
+            **kwargs):
+    """One ``art_decode`` call of a ``CASES`` entry on small CPU tensors (``lopsided_walks``: per-pair splits, one
+    pair expected to walk the whole 64 blocks and the others 10)."""
     batch, seqlen = 2, 4096
     q = torch.zeros(batch, q_heads, head_dim, dtype=dtype)
     k = torch.zeros(batch, kv_heads, seqlen, head_dim, dtype=dtype)
@@ -92,6 +97,10 @@ def _launch(q_heads, kv_heads, head_dim, dtype, art, *, ragged=False, paged=Fals
     if ragged:
         layout["cache_seqlens"] = torch.tensor([seqlen, 1000], dtype=torch.int32)
     params = ARTConfig().kernel_params() if art else None
+    if lopsided_walks:
+        walks = torch.full((batch, kv_heads), 10)
+        walks[0, 0] = seqlen // 64
+        kwargs["pair_walks"] = PairWalks.from_walks(walks)
     art_decode(q, k, k.clone(), art=params, **layout, **kwargs)
 
 

@@ -1,0 +1,46 @@
+"""Each ``(b, kv_head)``'s expected ART walk, for per-pair splits: the walks expected to run long take every split.
+
+When the pairs fill the GPU (``B * Hkv`` at or above a wave of leaders), ``art_decode``'s split plan runs every
+walk as one program: there is no room for followers on every pair, and the call then lasts as long as its longest
+walk at about the lone pace.  A real layer's walks are lopsided: on the SmolLM2 layer tiled to B = 128 x 32k, 22 of
+384 walks run 187-484 blocks and the rest at most 122, so the call took 0.483 ms where the same layer's walks at 8k
+(at most 128 blocks) took 0.146 (``benchmarks/NOTES-art-decode.md``, V44).  Told each pair's walk, the launcher
+gives the pairs expected to run past a threshold every split at once (the leader scheme, for those pairs only) and
+keeps the others single (:func:`kernels.art_decode.choose_pair_plan`)::
+
+    walks = PairWalks.from_walks(steps[..., 0])     # a single-split call's stats, or the simulator's stops + 1
+    out = art_decode(q, k, v, art=art, pair_walks=walks)
+
+A :class:`PairWalks` holds the walks twice: on the call's device, where the kernel reads each pair's, and sorted on
+the host, where the launcher plans the split count and threshold without reading the device.  Making one reads the
+tensor once (a device sync); a call that takes it reads nothing, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PairWalks:
+    """``walks [B, Hkv]`` (int32, on the call's device): the blocks each ``(b, kv_head)``'s monitored walk is
+    expected to load; ``sorted_walks``: the same values on the host, ascending."""
+
+    walks: torch.Tensor
+    sorted_walks: tuple[int, ...]
+
+    @classmethod
+    def from_walks(cls, walks: torch.Tensor) -> PairWalks:
+        """From a ``[B, Hkv]`` integer tensor of walks in blocks, each at least 1 (e.g. ``steps[..., 0]`` of an
+        ``art_decode`` call with ``num_splits=1`` and ``return_stats``); reads it once (a sync on a device)."""
+        if not isinstance(walks, torch.Tensor) or walks.dim() != 2 or walks.numel() == 0 \
+                or walks.dtype.is_floating_point or walks.dtype.is_complex or walks.dtype == torch.bool:
+            described = (f"{tuple(walks.shape)} {walks.dtype}" if isinstance(walks, torch.Tensor)
+                         else type(walks).__name__)
+            raise ValueError(f"walks must be a non-empty [B, Hkv] integer tensor of blocks, got {described}")
+        host = walks.detach().to("cpu", torch.int64)
+        if int(host.min()) < 1 or int(host.max()) >= 2 ** 31:
+            raise ValueError(f"every expected walk must be in [1, 2**31) blocks, got [{int(host.min())}, "
+                             f"{int(host.max())}]")
+        return cls(walks.detach().to(torch.int32).contiguous(), tuple(sorted(host.flatten().tolist())))
