@@ -40,7 +40,8 @@ ranges then cut the walk past the follow step, the leader's holding the steps be
 ``(B * Hkv, splits)`` so that every leader is dispatched before any follower.  With ``PAIR_GATES`` (per-pair
 splits, ``kernels.pair_walks``) each pair's expected walk (``walks [B * Hkv]``) decides its ranges: a pair
 expected to walk more than ``walk_threshold`` blocks is cut as in the leader scheme (followers at once), any other
-is the single walk (the leader's range is the whole walk, its followers' ranges are empty); the grid is then
+is the single walk (the leader's range is the whole walk and it writes ``out`` and ``lse`` itself; its followers'
+ranges are empty, and none of the pair's programs touches its arrival counter); the grid is then
 ``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
@@ -595,7 +596,10 @@ def art_decode_split_kernel(
                         tl.atomic_or(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, RELEASED), sem="relaxed",
                                      scope="gpu", mask=(group_done != 0) | (step >= follow_step))
                     else:
-                        tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
+                        raise_flag = group_done != 0
+                        if PAIR_GATES:
+                            raise_flag = raise_flag & (gate < num_blocks)   # a pair walked alone has no followers
+                        tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=raise_flag)
                 else:
                     converged = _read_flag(arrivals_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
@@ -612,29 +616,58 @@ def art_decode_split_kernel(
     out = tl.where(has_mass[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(has_mass, m * sm_scale + tl.log(l_safe), float("-inf"))
     if SINGLE_SPLIT:
-        out_rows = b.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
-        tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
-        tl.store(lse_ptr + b.to(tl.int64) * num_kv_heads * GROUP + heads, lse, mask=row_valid)
+        _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh, GROUP)
+    elif PAIR_GATES:
+        # a pair walked alone: its leader writes the output as one split does, and nobody arrives
+        if gate == num_blocks:
+            if split == 0:
+                _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob,
+                              stride_oh, GROUP)
+        else:
+            _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh,
+                                split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                                ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
     else:
-        part_rows = (b.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
-        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
-        tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
-        # Arrival: every thread's partial stores are ordered before the counter increment (CTA
-        # barrier, then a gpu-scope release); the program that arrives last acquires the others'
-        # partials through the same atomic, merges the group and puts the word (counter and
-        # converged flag) back to 0 for the next launch.  Its atomic returns the flag with the count:
-        # no second round trip before the combine (a flag word apart cost one; V35).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh,
+                            split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                            ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+
+
+@triton.jit
+def _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh,
+                  GROUP: tl.constexpr):
+    """A walk's own result into ``out [B, Hq, D]`` (input dtype) and ``lse [B, Hq]``: one split's, or a pair
+    walked alone."""
+    out_rows = b.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(lse_ptr + b.to(tl.int64) * num_kv_heads * GROUP + heads, lse, mask=row_valid)
+
+
+@triton.jit
+def _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh, split,
+                        heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh, ART: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                        COMBINE_CHUNK: tl.constexpr):
+    """One of several splits: its partial into ``part_out`` and ``part_lse``, then its arrival; the last to arrive
+    merges the pair's partials into ``out`` and ``lse`` (the leader's alone where it converged)."""
+    part_rows = (b.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
+    tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+    tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
+    # Arrival: every thread's partial stores are ordered before the counter increment (CTA
+    # barrier, then a gpu-scope release); the program that arrives last acquires the others'
+    # partials through the same atomic, merges the group and puts the word (counter and
+    # converged flag) back to 0 for the next launch.  Its atomic returns the flag with the count:
+    # no second round trip before the combine (a flag word apart cost one; V35).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if ART:
+        converged = (arrived & CONVERGED) != 0
+        arrived = arrived & (CONVERGED - 1)
+    if arrived == num_splits - 1:
+        kept_splits = num_splits
         if ART:
-            converged = (arrived & CONVERGED) != 0
-            arrived = arrived & (CONVERGED - 1)
-        if arrived == num_splits - 1:
-            kept_splits = num_splits
-            if ART:
-                kept_splits = tl.where(converged, 1, num_splits)
-            combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
-                          num_kv_heads, num_splits, stride_ob, stride_oh,
-                          GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
-            tl.store(arrivals_ptr + bh, 0)
+            kept_splits = tl.where(converged, 1, num_splits)
+        combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
+                      num_kv_heads, num_splits, stride_ob, stride_oh,
+                      GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+        tl.store(arrivals_ptr + bh, 0)

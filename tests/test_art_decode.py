@@ -315,6 +315,7 @@ def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, 
     assert torch.equal(steps[split], leader[2][split])
     assert torch.equal(out[~heads], single[0][~heads]) and torch.equal(lse[~heads], single[1][~heads])
     assert torch.equal(steps[~split], torch.stack([walks[~split], *[torch.zeros_like(walks[~split])] * 2], -1))
+    assert not art_decode_module._arrival_counters(CPU, 6).any(), "every arrival counter must be back at zero"
     # a walk longer than expected still stops where the simulator does: no pair is cut short by its plan
     expected, _ = simulator_stop(q, k, v, None, ARTConfig(tau=1e-3, phi=1e-4, patience=3), "sink_recency")
     assert torch.equal(steps[~split][:, 0].long(), expected[~split])
