@@ -284,6 +284,8 @@ GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most th
 # blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
+PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
+PAIR_SPLIT_RANGE = 0.5      # the split pairs' ranges, as a fraction of the threshold (V44)
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -546,24 +548,34 @@ def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.
     than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when no pair should.
 
     Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
-    walk, or the split pairs' range (``max_steps / splits`` with ``splits = ceil(max_steps / t)``, capped at
-    ``MAX_SPLITS``), whichever is longer, plus the blocks that the call loads (the single walks' and every block
-    of the split pairs) over the device's dense pace (``DENSE_BLOCKS_PER_LONE_STEP`` per multiprocessor): the
-    latency of the longest walk and the bandwidth of all, taken as consecutive phases, as a walk that shares the
-    bandwidth and then runs alone does.  The cheapest wins."""
+    walk, or the split pairs' range (``max_steps / splits``), whichever is longer, plus the blocks that the call
+    loads (the single walks' and every block of the split pairs) over the device's dense pace
+    (``DENSE_BLOCKS_PER_LONE_STEP`` per multiprocessor): the latency of the longest walk and the bandwidth of all,
+    taken as consecutive phases, as a walk that shares the bandwidth and then runs alone does.  The split pairs'
+    ranges are ``PAIR_SPLIT_RANGE`` of the threshold (``splits = ceil(max_steps / (t / 2))``, at most
+    ``MAX_SPLITS``): their programs share the bandwidth with the single walks, and ranges of the threshold
+    itself ended last (H200, V44, the SmolLM2 layer at B = 128 x 128k, threshold 214-241: 10 splits 0.295-0.302
+    ms, 16 splits 0.268-0.270; at 32k, threshold 122: 5 splits 0.171, 8 splits 0.171).  The cheapest wins, if it costs at most ``PAIR_SPLIT_MAX_COST`` of the
+    single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81, took 0.85 of the single walks'
+    time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
     rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device)
     walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
-    best_cost, best = None, (1, walks[-1])
+    best_cost, best, single_cost = None, None, None
     loaded = 0
     for i, threshold in enumerate(walks):
         loaded += threshold
         if i + 1 < len(walks) and walks[i + 1] == threshold:
             continue
         split_pairs = len(walks) - i - 1
-        splits = 1 if split_pairs == 0 else min(MAX_SPLITS, -(-max_steps // threshold))
+        if split_pairs == 0:   # the single walks alone
+            single_cost = threshold + loaded / rate
+            continue
+        splits = min(MAX_SPLITS, -(-max_steps // max(1, int(threshold * PAIR_SPLIT_RANGE))))
         cost = max(threshold, -(-max_steps // splits)) + (loaded + split_pairs * max_steps) / rate
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, (splits, threshold)
+    if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
+        return 1, walks[-1]
     return best
 
 

@@ -632,6 +632,9 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_rows": len(art_rows),
         "art_calibrated_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in calibrated_rows),
         "art_calibrated_rows": len(calibrated_rows),
+        "art_calibrated_rows_with_pair_splits": sum("pair_split_threshold" in r for r in calibrated_rows),
+        "art_calibrated_rows_meeting_time_bound_with_pair_splits": sum(
+            r["meets_time_bound"] and "pair_split_threshold" in r for r in calibrated_rows),
         "art_rows_meeting_time_bound_memset_flush": sum(r.get("meets_time_bound_memset_flush", False) for r in art_rows),
         "art_calibrated_rows_meeting_time_bound_memset_flush": sum(
             r.get("meets_time_bound_memset_flush", False) for r in calibrated_rows),

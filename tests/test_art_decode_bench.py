@@ -98,10 +98,14 @@ def test_summary_checks_the_targets_on_the_rows():
     rows[5]["time_bound_below_latency_floor"] = True                  # the row that misses its bound
     rows[10]["time_bound_below_latency_floor"] = True                 # meets it: not counted
     rows.append(row("art_calibrated", 0.1, meets_time_bound=True, longest_stop_steps=40))
+    rows.append(row("art_calibrated", 0.1, batch=128, meets_time_bound=False, longest_stop_steps=90,
+                    pair_split_threshold=60))
     summary = summarise(rows, 4.2, {"synthetic": {"step_us": 1.3, "fixed_us": 4.0}})
+    assert summary["art_calibrated_rows_with_pair_splits"] == 1
+    assert summary["art_calibrated_rows_meeting_time_bound_with_pair_splits"] == 0
     assert summary["art_rows_missing_time_bound_below_latency_floor"] == 1
     assert summary["lone_walk_step_us_synthetic"] == 1.3
-    assert summary["art_calibrated_rows_meeting_time_bound"] == 1 and summary["art_calibrated_rows"] == 1
+    assert summary["art_calibrated_rows_meeting_time_bound"] == 1 and summary["art_calibrated_rows"] == 2
     assert summary["art_rows"] == 2                                   # the calibrated rows are counted apart
     assert summary["art_rows_modelled"] == 0 and summary["art_ms_over_model_max"] is None
     rows[5]["model_ms"], rows[10]["model_ms"] = 0.16, 0.05           # 0.2 / 0.16 and 0.05 / 0.05
