@@ -123,7 +123,10 @@ arrive at once.  :func:`choose_pair_plan` takes the threshold and split count th
 split range plus the blocks loaded over the dense pace.  A pair's result is that of the plan it takes: the single
 walk's, or that of the leader scheme over its split count (its leader stops within its range, or the walk is
 dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
-walk nothing.
+walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
+layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
+**0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
+0.722 / 2.860); on the synthetic caches, whose walks end about together, the plan splits none.
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
