@@ -329,8 +329,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             docstring); 0 starts them at once.  Default: :func:`choose_split_plan`'s when ``num_splits`` is not
             given, else 0.
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
-            default ``longest_stop_steps``, and this call's walks are recorded into it (with ``art``; not
-            inside a CUDA-graph capture).
+            default ``longest_stop_steps``, and its latest walk of each pair the default ``pair_walks`` where
+            the shapes agree (and neither ``num_splits``, ``follow_step`` nor ``longest_stop_steps`` is given); this
+            call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
         pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
             pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
             one split, the pairs expected to walk long take every split of :func:`choose_pair_plan` (module
@@ -390,6 +391,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         if capturing and art is not None:
             raise RuntimeError("walk_hint cannot record inside a CUDA-graph capture (its copy to the host would only "
                                "happen at capture time); pass longest_stop_steps=hint.steps to a captured call")
+        hinted = walk_hint.pair_walks
+        if (pair_walks is None and longest_stop_steps is None and art is not None and num_splits is None
+                and follow_step is None and hinted is not None and tuple(hinted.walks.shape) == (batch, kv_heads)
+                and hinted.walks.device == q.device):
+            pair_walks = hinted
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if pair_walks is not None:

@@ -1,4 +1,4 @@
-"""ART in a decode loop on a captured layer: each decode step's call is told the longest walk of the step before.
+"""ART in a decode loop on a captured layer: each decode step's call is told the walks of the step before.
 
 The decode benchmark (:mod:`kernels.bench`) times every shape on fixed inputs, and its ``art_calibrated`` rows take
 the longest walk of an earlier call on the *same* inputs.  A decode loop has only its previous step's.  This
@@ -10,13 +10,16 @@ inputs:
 
 * ``art_dense``: ``art=None`` at its defaults;
 * ``art``: the thresholds at the default split rule (no hint);
-* ``art_previous_step``: ``longest_stop_steps`` from a :class:`kernels.walk_hint.LongestWalkHint` that recorded
-  the previous step's ``art_previous_step`` call (none at the first step): what a decode loop gets;
-* ``art_calibrated``: ``longest_stop_steps`` from a single-split call on this step's inputs (the best the hint
-  can do).
+* ``art_previous_step``: ``pair_walks`` (each pair's walk, and with it the longest) from a
+  :class:`kernels.walk_hint.LongestWalkHint` that recorded the previous step's ``art_previous_step`` call (none at
+  the first step): what a decode loop gets;
+* ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do).
 
-Each row keeps the step's split count and loaded fraction; the summary per length adds the steps up (the layer's
-attention time over the loop) and counts the steps whose previous-step hint chose the calibrated split count.
+Each row keeps the step's split count, per-pair split threshold and loaded fraction; the summary per loop adds the
+steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
+calibrated split count.  The loops (``LOOP_CASES``) are B = 32 at 8k and 32k, where the split plan takes several
+splits, and B = 128 at 32k, where it takes one and the walks expected to run long take per-pair splits
+(:mod:`kernels.pair_walks`).
 Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by a read (:func:`kernels.bench.time_interleaved`).
 
 ``run(out_dir, capture, art=...)`` writes ``<out_dir>/<date>-art-decode-loop.json``.
@@ -34,12 +37,13 @@ import triton
 
 from .art_decode import art_decode
 from .art_params import ARTParams
-from .bench import ROUNDS, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture, time_interleaved
+from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture,
+                    time_interleaved)
+from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
 from .walk_hint import LongestWalkHint
 
-LOOP_BATCH = 32
-LOOP_LENGTHS = (8192, 32768)
+LOOP_CASES = ((32, 8192), (32, 32768), (128, 32768))   # (batch, seqlen)
 IMPLS = ("art_dense", "art", "art_previous_step", "art_calibrated")
 
 
@@ -47,25 +51,32 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 device: torch.device, rounds: int = ROUNDS) -> list[dict]:
     """One row per (decode step, implementation) of the captured layer at ``path`` tiled to ``seqlen`` tokens for
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
-    ``num_splits``, ``follow_step`` and ``loaded_fraction`` (ART rows), and ``longest_stop_steps`` (the hint passed,
-    or None)."""
+    ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits) and ``loaded_fraction``
+    (ART rows), and ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, as lists, or None) with their longest,
+    ``longest_stop_steps``."""
     hint = LongestWalkHint()
     rows = []
     for step in range(decode_query_shape(path)[2]):
         q, k, v = tiled_capture(path, batch, seqlen, device, step=step)
         _, single = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
-        hints = {"art": None, "art_previous_step": hint.steps, "art_calibrated": int(single[..., 0].max())}
+        hints = {"art": None, "art_previous_step": hint.pair_walks,
+                 "art_calibrated": PairWalks.from_walks(single[..., 0])}
         calls = {"art_dense": lambda: art_decode(q, k, v)}
-        calls.update({impl: (lambda given=given: art_decode(q, k, v, art=art, longest_stop_steps=given))
+        calls.update({impl: (lambda given=given: art_decode(q, k, v, art=art, pair_walks=given))
                       for impl, given in hints.items()})
         timings = time_interleaved(calls, rep_ms, rounds, device)
         for impl in IMPLS:
             row = {"step": step, "impl": impl, **timings[impl]}
             if impl in hints:
-                _, steps = art_decode(q, k, v, art=art, longest_stop_steps=hints[impl], return_stats=True,
+                given = hints[impl]
+                _, steps = art_decode(q, k, v, art=art, pair_walks=given, return_stats=True,
                                       walk_hint=hint if impl == "art_previous_step" else None)
-                row.update(longest_stop_steps=hints[impl], num_splits=steps.shape[-1],
-                           follow_step=default_follow_step(q, k, art, hints[impl]),
+                longest = None if given is None else given.sorted_walks[-1]
+                pair_plan = None if given is None else bench_pair_plan(q, k, art, given)
+                row.update(longest_stop_steps=longest, pair_walks=None if given is None else given.walks.tolist(),
+                           num_splits=steps.shape[-1],
+                           follow_step=0 if pair_plan is not None else default_follow_step(q, k, art, longest),
+                           pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
             rows.append(row)
     return rows
@@ -88,9 +99,9 @@ def loop_summary(rows: list[dict]) -> dict:
 
 
 def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParams, quick: bool = False) -> dict:
-    """Run the decode loop on ``capture`` (a captured layer's safetensors ``k, v, decode_q``) at ``LOOP_BATCH``
-    rows and each of ``LOOP_LENGTHS`` (``quick``: the first length, one round) and write
-    ``<out_dir>/<date>-art-decode-loop.json``; returns the payload."""
+    """Run the decode loop on ``capture`` (a captured layer's safetensors ``k, v, decode_q``) at each
+    ``(batch, seqlen)`` of ``LOOP_CASES`` (``quick``: the first, one round) and write
+    ``<out_dir>/<date>-art-decode-loop.json``; returns the payload (``summary`` keyed ``"<batch>x<seqlen>"``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the decode-loop benchmark needs a CUDA device")
     if not isinstance(art, ARTParams):
@@ -98,7 +109,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
     if not Path(capture).is_file():
         raise FileNotFoundError(f"the captured layer {capture} is not a file")
     device = torch.device("cuda")
-    lengths, rounds = (LOOP_LENGTHS[:1], 1) if quick else (LOOP_LENGTHS, ROUNDS)
+    cases, rounds = (LOOP_CASES[:1], 1) if quick else (LOOP_CASES, ROUNDS)
     payload = {
         "suite": "decode-loop",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -107,19 +118,18 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
         "quick": quick,
         "capture": Path(capture).name,
         "capture_file": input_file_record(capture),
-        "batch": LOOP_BATCH,
         "art": dataclasses.asdict(art),
         "l2_flush": "read",
     }
     path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode-loop.json"
     loops = []
-    for seqlen in lengths:
-        rows = decode_loop(capture, LOOP_BATCH, seqlen, art=art, rep_ms=50 if quick else 100, device=device,
+    for batch, seqlen in cases:
+        rows = decode_loop(capture, batch, seqlen, art=art, rep_ms=50 if quick else 100, device=device,
                            rounds=rounds)
-        loops.append({"seqlen": seqlen, "rows": rows, "summary": loop_summary(rows)})
+        loops.append({"batch": batch, "seqlen": seqlen, "rows": rows, "summary": loop_summary(rows)})
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "loops": loops, "complete": False})
     payload.update(loops=loops, complete=True,
-                   summary={str(loop["seqlen"]): loop["summary"] for loop in loops})
+                   summary={f"{loop['batch']}x{loop['seqlen']}": loop["summary"] for loop in loops})
     write_json_atomic(path, payload)
     return payload

@@ -1,4 +1,5 @@
-"""The longest ART walk of a layer's previous ``art_decode`` call, carried to its next call without a sync.
+"""The ART walks of a layer's previous ``art_decode`` call (the longest, and each pair's), carried to its next call
+without a sync.
 
 ``art_decode``'s default split plan does not know how long the monitored walks will run; it takes twice the
 earliest possible stop (``ART_STOP_MARGIN``), which fits the synthetic caches and not a real model's layers: on
@@ -15,11 +16,13 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
     ...                                                          # in each decode step, for each layer
     out = art_decode(q, k, v, art=art, walk_hint=hints[layer])
 
-``art_decode`` takes the hint's latest walk as ``longest_stop_steps`` and records the call's walks into it (by
-hand: ``longest_stop_steps=hint.steps``, then ``hint.record(steps, follow_step=...)`` with the call's
-``return_stats`` and follow step).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to its longest walk on the device and copies
-that one number to pinned host memory without blocking; :attr:`LongestWalkHint.steps` takes the latest record
-whose copy has landed (event queries, never a wait) and otherwise keeps the value before it.  The hint lags by
+``art_decode`` takes the hint's latest walk as ``longest_stop_steps``, and its latest walk of each pair as
+``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`), and records the call's
+walks into it (by hand: ``pair_walks=hint.pair_walks``, then ``hint.record(steps, follow_step=...)`` with the call's
+``return_stats`` and follow step).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk
+on the device and copies those ``B * Hkv`` numbers to pinned host memory without blocking; :attr:`LongestWalkHint.steps`
+and :attr:`LongestWalkHint.pair_walks` take the latest record whose copy has landed (event queries, never a wait)
+and otherwise keep the values before it.  The hint lags by
 as many calls as the host runs ahead of the GPU, and it never stalls the stream.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from .art_decode import leader_range
 from .int_checks import check_count
+from .pair_walks import PairWalks
 
 
 class LongestWalkHint:
@@ -51,14 +55,30 @@ class LongestWalkHint:
 
     def __init__(self):
         self._steps: int | None = None
-        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()   # records in stream order
+        self._pair_walks: PairWalks | None = None
+        # records in stream order: each pair's walk on the device, its pinned host copy, and the copy's event
+        self._pending: deque[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
 
     @property
     def steps(self) -> int | None:
         """The longest walk of the latest record whose copy has landed (pass it as ``longest_stop_steps``)."""
-        while self._pending and self._pending[0][1].query():
-            self._steps = int(self._pending.popleft()[0])
+        self._take_landed()
         return self._steps
+
+    @property
+    def pair_walks(self) -> PairWalks | None:
+        """Each ``(b, kv_head)``'s walk of the same record (pass it as ``pair_walks``; ``art_decode`` given this hint
+        takes it where its shape is the call's)."""
+        self._take_landed()
+        return self._pair_walks
+
+    def _take_landed(self) -> None:
+        while self._pending and self._pending[0][2].query():
+            self._set(*self._pending.popleft()[:2])
+
+    def _set(self, walks: torch.Tensor, host: torch.Tensor) -> None:
+        self._pair_walks = PairWalks(walks, tuple(sorted(host.flatten().tolist())))
+        self._steps = self._pair_walks.sorted_walks[-1]
 
     def record(self, steps: torch.Tensor, follow_step: int = 0) -> None:
         """Take the longest walk of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with
@@ -70,24 +90,31 @@ class LongestWalkHint:
                          else type(steps).__name__)
             raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
         check_count(follow_step, "follow_step", 0)
-        longest = longest_walk(steps, follow_step)
+        walks = pair_walk_lengths(steps, follow_step)
         if steps.device.type != "cuda":
             self._pending.clear()
-            self._steps = int(longest)
+            self._set(walks, walks)
             return
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("LongestWalkHint.record cannot run inside a CUDA-graph capture: its copy to the host "
                                "would only happen at capture time; a captured call's split count is fixed anyway")
-        value = torch.empty((), dtype=torch.int32, pin_memory=True)
-        value.copy_(longest, non_blocking=True)
+        host = torch.empty(walks.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(walks, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
-        self._pending.append((value, landed))
+        self._pending.append((walks, host, landed))
+
+
+def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:
+    """Each ``(b, kv_head)``'s walk (``[B, Hkv]`` int32 on ``steps``' device) of a call's ``steps [B, Hkv, splits]``
+    made with ``follow_step``, counted as :class:`LongestWalkHint` describes.  A call with per-pair splits counts the
+    same way: a pair walked alone has its whole walk in its leader's range."""
+    total = steps.sum(-1, dtype=torch.int32)
+    leader = steps[..., 0]
+    return torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader).contiguous()
 
 
 def longest_walk(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:
     """The longest walk (a 0-dim int32 tensor on ``steps``' device) of a call's ``steps [B, Hkv, splits]`` made with
-    ``follow_step``, each pair's walk counted as :class:`LongestWalkHint` describes."""
-    total = steps.sum(-1, dtype=torch.int32)
-    leader = steps[..., 0]
-    return torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader).max()
+    ``follow_step``: the longest of :func:`pair_walk_lengths`."""
+    return pair_walk_lengths(steps, follow_step).max()

@@ -492,7 +492,7 @@ def test_paged_rows_compare_the_leaders_walks_not_the_followers_loads(monkeypatc
     assert art_rows[64]["equals_contiguous"] is True
 
 
-def test_decode_loop_tells_each_step_the_previous_steps_longest_walk(monkeypatch, tmp_path):
+def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_path):
     import itertools
 
     from safetensors.torch import save_file
@@ -501,7 +501,8 @@ def test_decode_loop_tells_each_step_the_previous_steps_longest_walk(monkeypatch
     import kernels.bench_decode_loop as loop
     from art_analysis.synthetic import synthetic_cache
     from kernels.art_params import ARTParams
-    from kernels.walk_hint import longest_walk
+    from kernels.pair_walks import PairWalks
+    from kernels.walk_hint import longest_walk, pair_walk_lengths
 
     # two captured sequences of 700 tokens, three decode queries each
     cache = synthetic_cache(batch=2, num_q_heads=6, num_kv_heads=2, seqlen=700, head_dim=64, seed=5)
@@ -526,15 +527,19 @@ def test_decode_loop_tells_each_step_the_previous_steps_longest_walk(monkeypatch
         for i, impl in enumerate(loop.IMPLS):
             assert by_key[(step, impl)]["ms_rounds"] == [8.0 * step + 1 + i, 8.0 * step + 5 + i]
     assert by_key[(0, "art_previous_step")]["longest_stop_steps"] is None
+    assert by_key[(0, "art_previous_step")]["pair_walks"] is None
     for step in range(3):
         q, k, v = (x.half() for x in bench.tiled_capture(path, 4, 2048, cpu, step=step))
         _, single = bench.art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
+        assert by_key[(step, "art_calibrated")]["pair_walks"] == single[..., 0].tolist()
         assert by_key[(step, "art_calibrated")]["longest_stop_steps"] == int(single[..., 0].max())
-        told = by_key[(step, "art_previous_step")]["longest_stop_steps"]
-        _, steps = bench.art_decode(q, k, v, art=art, longest_stop_steps=told, return_stats=True)
+        told = by_key[(step, "art_previous_step")]["pair_walks"]
+        given = None if told is None else PairWalks.from_walks(torch.tensor(told))
+        _, steps = bench.art_decode(q, k, v, art=art, pair_walks=given, return_stats=True)
         assert by_key[(step, "art_previous_step")]["num_splits"] == steps.shape[-1]
         assert by_key[(step, "art_previous_step")]["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
-        if step < 2:   # the next step is told this step's longest walk
+        if step < 2:   # the next step is told this step's walks
+            assert by_key[(step + 1, "art_previous_step")]["pair_walks"] == pair_walk_lengths(steps).tolist()
             assert by_key[(step + 1, "art_previous_step")]["longest_stop_steps"] == int(longest_walk(steps))
     assert len({by_key[(s, "art_calibrated")]["longest_stop_steps"] for s in range(3)}) > 1   # the walks move
     summary = loop.loop_summary(rows)

@@ -24,13 +24,26 @@ def test_figure_draws_each_implementation_per_step_and_marks_split_counts_off_th
     fig = decode_loop_figure(_payload())
     first, second = fig.axes[:2]
     lines = {line.get_label(): line for line in first.lines}
-    assert set(lines) == {style["label"] for style in STYLES.values()}
-    assert lines[STYLES["art"]["label"]].get_ydata().tolist() == [3.0, 4.0, 5.0]
-    assert lines[STYLES["art_previous_step"]["label"]].get_ydata().tolist() == [4.0, 1.5, 1.5]
+    labels = {impl: style["label"].format(walks="longest walk") for impl, style in STYLES.items()}
+    assert set(lines) == set(labels.values())
+    assert lines[labels["art"]].get_ydata().tolist() == [3.0, 4.0, 5.0]
+    assert lines[labels["art_previous_step"]].get_ydata().tolist() == [4.0, 1.5, 1.5]
     # the default's three steps and the hint's first step took 1 split where the calibrated call took 5
     assert sorted(text.get_text() for text in first.texts) == ["1 split"] * 4
     assert len(second.lines[0].get_xdata()) == 1
     assert "1.17x dense with the hint, 2.00x without" in first.get_title()
+    assert first.get_title().startswith("B = 32, 8k tokens")
+
+
+def test_loops_of_their_own_batch_told_each_walk_say_so():
+    payload = _payload()
+    del payload["batch"]
+    for loop, batch in zip(payload["loops"], (32, 128)):
+        loop["batch"] = batch
+    payload["loops"][1]["rows"][2]["pair_walks"] = [[3, 5]]
+    fig = decode_loop_figure(payload)
+    assert fig.axes[1].get_title().startswith("B = 128, 32k tokens")
+    assert "ART, told the previous step's walks" in {line.get_label() for line in fig.axes[0].lines}
 
 
 def test_module_writes_the_figure_from_the_benchmark_json(tmp_path):

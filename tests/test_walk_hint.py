@@ -111,3 +111,24 @@ def test_gpu_record_lands_without_a_wait_and_refuses_a_capture():
     with pytest.raises(RuntimeError, match="walk_hint cannot record inside a CUDA-graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             art_decode(q, k, v, art=ART, num_splits=1, walk_hint=hint)           # refused before the launch
+
+
+def test_the_hint_carries_each_pairs_walk_and_a_call_of_that_shape_takes_it(record_decode_launches):
+    hint = LongestWalkHint()
+    assert hint.pair_walks is None
+    hint.record(stats([20, 22, 22, 22], [17, 19, 19, 19], [30, 30, 31, 31]))
+    walks = hint.pair_walks
+    assert walks.walks.tolist() == [[20, 17, 122]] and walks.sorted_walks == (17, 20, 122) and hint.steps == 122
+    # a call with per-pair splits: pairs walked alone (a leader that stopped, one that ran the whole walk) and split
+    # pairs (a leader that stopped in its range, one that ran its range of 42)
+    hint.record(stats([40, 0, 0], [128, 0, 0], [12, 16, 16]))
+    assert hint.pair_walks.walks.tolist() == [[40, 128, 12]]
+    hint.record(stats([40, 0, 0], [128, 0, 0], [42, 43, 43]))
+    assert hint.pair_walks.walks.tolist() == [[40, 128, 128]]
+    q, k, v = (torch.zeros(1, 6, 64, dtype=torch.float16), *[torch.zeros(1, 3, 8192, 64, dtype=torch.float16)] * 2)
+    launches = record_decode_launches()
+    art_decode(q, k, v, art=ART, walk_hint=hint)                           # [1, 3] pairs: takes the pair walks
+    art_decode(q[:, :4], k[:, :2], v[:, :2], art=ART, walk_hint=hint)      # [1, 2] pairs: the longest only
+    art_decode(q, k, v, art=ART, walk_hint=hint, longest_stop_steps=40)    # told the longest: no pair walks
+    gates = [call.kwargs["PAIR_GATES"] for call in launches.calls]
+    assert gates == [True, False, False]

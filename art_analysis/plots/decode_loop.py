@@ -14,23 +14,26 @@ from .figure_io import figure_from_json_main
 STYLES = {
     "art_dense": dict(color="black", marker="^", label="dense"),
     "art": dict(color="tab:orange", marker="s", label="ART, default split rule"),
-    "art_previous_step": dict(color="tab:green", marker="D", label="ART, told the previous step's longest walk"),
-    "art_calibrated": dict(color="tab:gray", marker="x", linestyle=":", label="ART, told this step's longest walk"),
+    "art_previous_step": dict(color="tab:green", marker="D", label="ART, told the previous step's {walks}"),
+    "art_calibrated": dict(color="tab:gray", marker="x", linestyle=":", label="ART, told this step's {walks}"),
 }
 
 
 def decode_loop_figure(payload: dict):
-    """One panel per loop (``payload["loops"]``: ``seqlen``, ``rows`` of ``step``, ``impl``, ``ms`` and, for ART,
-    ``num_splits``): milliseconds per decode step, one line per implementation, each ART point labelled with its
-    split count where it differs from the step's calibrated one."""
+    """One panel per loop (``payload["loops"]``: ``batch`` (else the payload's), ``seqlen``, ``rows`` of ``step``,
+    ``impl``, ``ms`` and, for ART, ``num_splits``): milliseconds per decode step, one line per implementation, each
+    ART point labelled with its split count where it differs from the step's calibrated one.  The hinted rows were
+    told each pair's walk where they record ``pair_walks`` (else, in runs before V44, the longest walk)."""
     loops = payload["loops"]
+    told = "walks" if any("pair_walks" in r for loop in loops for r in loop["rows"]) else "longest walk"
     fig, axes = plt.subplots(1, len(loops), figsize=(5.5 * len(loops), 4.2), squeeze=False)
     for ax, loop in zip(axes[0], loops):
         rows = loop["rows"]
         calibrated = {r["step"]: r.get("num_splits") for r in rows if r["impl"] == "art_calibrated"}
         for impl, style in STYLES.items():
             mine = sorted((r for r in rows if r["impl"] == impl and "ms" in r), key=lambda r: r["step"])
-            ax.plot([r["step"] for r in mine], [r["ms"] for r in mine], **style)
+            ax.plot([r["step"] for r in mine], [r["ms"] for r in mine], **{**style, "label": style["label"].format(
+                walks=told)})
             if impl in ("art", "art_previous_step"):
                 for r in mine:
                     if r.get("num_splits") != calibrated.get(r["step"]):
@@ -38,7 +41,7 @@ def decode_loop_figure(payload: dict):
                                     (r["step"], r["ms"]), fontsize=7, color=style["color"],
                                     textcoords="offset points", xytext=(4, 4))
         summary = loop.get("summary", {})
-        title = f"{loop['seqlen'] // 1024}k tokens"
+        title = f"B = {loop.get('batch', payload.get('batch', '?'))}, {loop['seqlen'] // 1024}k tokens"
         if "previous_step_over_dense" in summary:
             title += (f": loop {summary['previous_step_over_dense']:.2f}x dense with the hint, "
                       f"{summary['default_over_dense']:.2f}x without")
@@ -49,7 +52,7 @@ def decode_loop_figure(payload: dict):
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{payload.get('device', 'GPU')}: ART in a decode loop on {payload.get('capture', 'a captured layer')}"
-                 f", B = {payload.get('batch', '?')} ({payload.get('date', '')[:10]})", fontsize=9)
+                 f" ({payload.get('date', '')[:10]})", fontsize=9)
     return fig
 
 
