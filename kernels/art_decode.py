@@ -288,7 +288,8 @@ GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most th
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
 PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
-PAIR_SPLIT_RANGE = 0.5      # the split pairs' ranges, as a fraction of the threshold (V44)
+PAIR_SPLIT_RANGE = 0.5      # the split pairs' ranges, as a fraction of the threshold (V44) ...
+PAIR_SPLIT_MIN_RANGE = 64   # ... of at least this many blocks (V44)
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -561,10 +562,12 @@ def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.
     loads (the single walks' and every block of the split pairs) over the device's dense pace
     (``DENSE_BLOCKS_PER_LONE_STEP`` per multiprocessor): the latency of the longest walk and the bandwidth of all,
     taken as consecutive phases, as a walk that shares the bandwidth and then runs alone does.  The split pairs'
-    ranges are ``PAIR_SPLIT_RANGE`` of the threshold (``splits = ceil(max_steps / (t / 2))``, at most
-    ``MAX_SPLITS``): their programs share the bandwidth with the single walks, and ranges of the threshold
-    itself ended last (H200, V44, the SmolLM2 layer at B = 128 x 128k, threshold 214-241: 10 splits 0.295-0.302
-    ms, 16 splits 0.268-0.270; at 32k, threshold 122: 5 splits 0.171, 8 splits 0.171).  The cheapest wins, if it costs at most ``PAIR_SPLIT_MAX_COST`` of the
+    ranges are ``PAIR_SPLIT_RANGE`` of the threshold, but at least ``PAIR_SPLIT_MIN_RANGE`` blocks (``splits =
+    ceil(max_steps / max(t / 2, 64))``, at most ``MAX_SPLITS``): their programs share the bandwidth with the
+    single walks, and ranges of the threshold itself ended last, while shorter ranges than 64 blocks pay each
+    program's fixed cost for little (H200, V44, the SmolLM2 layer at B = 128: at 128k, threshold 214-241, 10 splits
+    0.295-0.302 ms and 16 splits 0.268-0.270; at 32k, threshold 122, 5 and 8 splits 0.171; at 8k, threshold 69,
+    4 splits of 32 blocks 0.130 and 2 of 64 0.123).  The cheapest wins, if it costs at most ``PAIR_SPLIT_MAX_COST`` of the
     single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81, took 0.85 of the single walks'
     time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
     rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device)
@@ -579,7 +582,7 @@ def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.
         if split_pairs == 0:   # the single walks alone
             single_cost = threshold + loaded / rate
             continue
-        splits = min(MAX_SPLITS, -(-max_steps // max(1, int(threshold * PAIR_SPLIT_RANGE))))
+        splits = min(MAX_SPLITS, -(-max_steps // max(int(threshold * PAIR_SPLIT_RANGE), PAIR_SPLIT_MIN_RANGE)))
         cost = max(threshold, -(-max_steps // splits)) + (loaded + split_pairs * max_steps) / rate
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, (splits, threshold)

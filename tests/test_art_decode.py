@@ -325,16 +325,18 @@ def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch
     from kernels.art_decode import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
 
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
-    # 380 walks of 10 blocks and 4 of 400 in 512: split the 4 into ranges of 5 blocks (103 splits, cost about
-    # 10 + 5848 / 251 = 33 lone steps against 400 + 5400 / 251 = 422 for one split)
-    assert choose_pair_plan([10] * 380 + [400] * 4, 512, 64, CPU) == (103, 10)
+    # 380 walks of 10 blocks and 4 of 400 in 2048: split the 4 into ranges of 64 blocks, the fewest (32 splits, cost
+    # 64 + (3800 + 4 * 2048) / 251 = 112 lone steps against 400 + 5400 / 251 = 422 for one split)
+    assert choose_pair_plan([10] * 380 + [400] * 4, 2048, 64, CPU) == (32, 10)
+    # 4 walks of 2000 among 380 of 200: ranges of half the threshold, 100 blocks (21 splits of 2048)
+    assert choose_pair_plan([200] * 380 + [2000] * 4, 2048, 64, CPU) == (21, 200)
     assert DENSE_BLOCKS_PER_LONE_STEP[64] * 132 == pytest.approx(250.8)
     # even walks: nothing to split
     assert choose_pair_plan([30] * 384, 512, 128, CPU) == (1, 30)
     # many walks of 60 in 2048 blocks: splitting them would load far more than their latency saves
     assert choose_pair_plan([10] * 200 + [60] * 184, 2048, 128, CPU) == (1, 60)
     # but walks that nearly reach the end lose little by running every split: 184 of 120 in 128 blocks
-    assert choose_pair_plan([10] * 200 + [120] * 184, 128, 128, CPU) == (26, 10)
+    assert choose_pair_plan([10] * 200 + [120] * 184, 128, 128, CPU) == (2, 10)
     # walks that all end about together: the single walks cost least (a split count of 1 is not costed at the
     # whole walk's range)
     assert choose_pair_plan([30] * 300 + [42] * 84, 512, 128, CPU) == (1, 42)
@@ -343,7 +345,7 @@ def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch
     synthetic = {30: 32, 31: 32, 33: 16, 37: 32, 39: 16, 41: 32, 44: 32, 45: 16, 52: 16, 57: 16, 65: 16}
     assert choose_pair_plan(sorted(w for w, n in synthetic.items() for _ in range(n)), 128, 128, CPU) == (1, 65)
     # a few 1-block walks cap the split count at MAX_SPLITS, and expected walks past the length count as the length
-    splits, threshold = choose_pair_plan([1] * 383 + [9999], 2048, 64, CPU)
+    splits, threshold = choose_pair_plan([1] * 383 + [9999], 2 ** 14, 64, CPU)
     assert (splits, threshold) == (MAX_SPLITS, 1)
 
 
