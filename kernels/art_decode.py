@@ -126,7 +126,11 @@ dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched b
 walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
 layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
 **0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
-0.722 / 2.860); on the synthetic caches, whose walks end about together, the plan splits none.
+0.722 / 2.860), and with ranges of at least 64 blocks 0.123 / 0.175 / 0.271 (2 / 8 / 19 splits, same-process A/B);
+on the synthetic caches, whose walks end about together, the plan splits none.  Told the previous decode step's
+walks instead (:class:`kernels.walk_hint.LongestWalkHint` carries them), the plan gains less where the long walks
+move between pairs from step to step: 8 steps at B = 128 x 32k totalled 0.37x the dense loop, against 0.40x
+without a hint and 0.23x told each step's own walks.
 
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
