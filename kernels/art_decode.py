@@ -557,9 +557,15 @@ def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.
 
 
 def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.device) -> tuple[int, int]:
+    """:func:`pair_plan` on ``device``'s multiprocessors."""
+    return pair_plan(sorted_walks, max_steps, head_dim, _num_sms(device))
+
+
+def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[int, int]:
     """``(num_splits, threshold)`` of per-pair splits (module docstring) for the expected walks ``sorted_walks``
-    (blocks, ascending, one per pair) of walks of at most ``max_steps`` blocks: the pairs expected to walk more
-    than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when no pair should.
+    (blocks, ascending, one per pair) of walks of at most ``max_steps`` blocks on ``sms`` multiprocessors: the
+    pairs expected to walk more than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when
+    no pair should.
 
     Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
     walk, or the split pairs' range (``max_steps / splits``), whichever is longer, plus the blocks that the call
@@ -574,7 +580,7 @@ def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.
     4 splits of 32 blocks 0.130 and 2 of 64 0.123).  The cheapest wins, if it costs at most ``PAIR_SPLIT_MAX_COST`` of the
     single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81, took 0.85 of the single walks'
     time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
-    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device)
+    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
     walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
     best_cost, best, single_cost = None, None, None
     loaded = 0

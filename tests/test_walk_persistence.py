@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from art_analysis.analysis.walk_persistence import decode_walks, main, persistence_summary
+from art_analysis.analysis.walk_persistence import decode_walks, main, pair_split_persistence, persistence_summary
 from art_analysis.termination import ARTConfig, replay_kernel_walks
 
 CONTEXT = 640
@@ -85,3 +85,31 @@ def test_module_runs_on_a_capture_folder_and_writes_its_json(small_capture, tmp_
     # 641-643 tokens are 11 blocks, short of ARTConfig()'s earliest stop (17): every walk is whole, so no rank
     assert written["walks"] == [[[[11] * 3]] * STEPS] * 2
     assert summary["rank_correlation"] is None and summary["unchanged_fraction"] == 1.0
+
+
+def test_pair_split_persistence_of_hand_made_walks():
+    # layer 0: the long walk moves from pair 3 to pair 2 and stays; layer 1: even walks, no split at any step
+    walks = torch.tensor([[[[10, 10, 10, 400]], [[10, 10, 400, 10]], [[10, 10, 400, 10]]],
+                          [[[20, 20, 20, 20]]] * 3])
+    summary = pair_split_persistence(walks, batch=1, max_steps=512, head_dim=64, sms=132)
+    assert summary["pair_plan_steps"] == 4 and summary["pair_split_steps"] == 2
+    # step 1 splits pair 2 where step 0 split pair 3 (missed, and it holds the longest walk); step 2 as step 1
+    assert summary["pair_split_recall"] == 0.5 and summary["pair_split_same"] == 0.5
+    assert summary["pair_split_longest_kept_single"] == 0.5
+    # tiled to 2 rows of the one sequence: the same plans, twice the pairs
+    assert pair_split_persistence(walks, batch=2, max_steps=512, head_dim=64, sms=132)["pair_split_recall"] == 0.5
+    with pytest.raises(ValueError, match=r"\[layers, steps >= 2, B, Hkv\]"):
+        pair_split_persistence(walks[:, :1], batch=1, max_steps=512, head_dim=64, sms=132)
+
+
+def test_main_reads_the_walks_of_an_earlier_run(tmp_path):
+    walks = [[[[10, 10, 10, 400]], [[10, 10, 400, 10]], [[10, 10, 400, 10]]]]
+    source = tmp_path / "walks.json"
+    source.write_text(json.dumps({"capture": "x", "context_tokens": 32760, "decode_steps": 8, "walks": walks}))
+    out = tmp_path / "again.json"
+    summary = main([str(source), "--from-json", "--pair-plan-batch", "1", "--out", str(out)])
+    assert summary["pair_plan_max_steps"] == 512 and summary["pair_split_recall"] == 0.5
+    written = json.loads(out.read_text())
+    assert written["walks"] == walks and written["capture"] == "x" and written["summary"] == summary
+    with pytest.raises(SystemExit):
+        main([str(source), "--from-json", "--dtype", "bfloat16"])

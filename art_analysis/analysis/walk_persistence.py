@@ -9,9 +9,14 @@ of the same layer one token earlier.  This study measures how well that works on
   (:func:`art_analysis.termination.replay_kernel_walks`; step ``t`` attends to ``C + t + 1`` tokens);
 * :func:`persistence_summary`: how the walks change between consecutive steps (their rank correlation and
   absolute change), how each layer's longest walk changes, and how often the previous step's longest walk
-  falls on the same side of a split-rule threshold as the current one.
+  falls on the same side of a split-rule threshold as the current one;
+* :func:`pair_split_persistence`: where a batch fills the GPU, ``art_decode`` told each pair's walk splits the
+  pairs expected to walk long (``kernels.art_decode.pair_plan``); how often the previous step's walks split the
+  pairs that the current step's own would, and above all the one that holds the longest walk.
 
-Run ``python -m art_analysis.analysis.walk_persistence CAPTURE`` for the summary of a capture folder.
+Run ``python -m art_analysis.analysis.walk_persistence CAPTURE`` for the summary of a capture folder
+(``--pair-plan-batch 128`` adds the per-pair split persistence; ``--from-json`` takes the walks of an earlier
+run's ``--out`` instead of replaying them).
 """
 from __future__ import annotations
 
@@ -98,6 +103,50 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
     }
 
 
+def pair_split_persistence(walks: torch.Tensor, *, batch: int, max_steps: int, head_dim: int, sms: int) -> dict:
+    """Per-pair splits told the previous step's walks, against those told the step's own, for walks
+    ``[L, T, B0, Hkv]`` (:func:`decode_walks`) tiled to ``batch`` rows (row ``b`` walks sequence ``b % B0``, as the
+    decode-loop benchmark tiles a capture) of at most ``max_steps`` blocks, on ``sms`` multiprocessors.  Each step's
+    plan is ``kernels.art_decode.pair_plan`` of its tiled walks: the pairs past its threshold are split, or none.
+    Over every ``(layer, t >= 1)`` whose own plan splits some pairs (``pair_split_steps`` of ``pair_plan_steps``):
+
+    * ``pair_split_recall``: of the pairs that the step's own plan splits, the fraction that the previous step's
+      plan splits too (pooled over those steps);
+    * ``pair_split_same``: the fraction of those steps whose previous plan splits exactly the same pairs;
+    * ``pair_split_longest_kept_single``: the fraction of those steps whose longest walk lies in a pair that the
+      previous step's plan leaves single: the call then lasts as long as that walk, as without the walks."""
+    from kernels.art_decode import pair_plan
+
+    if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
+        shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__
+        raise ValueError(f"walks must be [layers, steps >= 2, B, Hkv], got {shape}")
+    batch = check_int(batch, "batch", 1)
+    rows = torch.arange(batch) % walks.shape[2]
+    tiled = walks.long().cpu()[:, :, rows].flatten(2)            # [L, T, batch * Hkv]
+
+    def split_pairs(step_walks: torch.Tensor) -> torch.Tensor:
+        splits, threshold = pair_plan(sorted(step_walks.tolist()), max_steps, head_dim, sms)
+        return step_walks > threshold if splits > 1 else torch.zeros_like(step_walks, dtype=torch.bool)
+
+    plans = [[split_pairs(tiled[layer, step]) for step in range(tiled.shape[1])] for layer in range(tiled.shape[0])]
+    split_steps = recalled = split_total = same = longest_single = 0
+    for layer in range(tiled.shape[0]):
+        for step in range(1, tiled.shape[1]):
+            own, previous = plans[layer][step], plans[layer][step - 1]
+            if not own.any():
+                continue
+            split_steps += 1
+            split_total += int(own.sum())
+            recalled += int((own & previous).sum())
+            same += bool(torch.equal(own, previous))
+            longest_single += not bool(previous[int(tiled[layer, step].argmax())])
+    return {"pair_plan_batch": batch, "pair_plan_steps": tiled.shape[0] * (tiled.shape[1] - 1),
+            "pair_split_steps": split_steps,
+            "pair_split_recall": recalled / split_total if split_total else None,
+            "pair_split_same": same / split_steps if split_steps else None,
+            "pair_split_longest_kept_single": longest_single / split_steps if split_steps else None}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capture", type=Path, help="a capture folder with at least 2 decode steps")
@@ -106,23 +155,42 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the capture first (default: as stored); the kernel's benchmark runs bfloat16")
     parser.add_argument("--out", type=Path, help="write the summary and the walks here (JSON)")
+    parser.add_argument("--from-json", action="store_true",
+                        help="CAPTURE is the JSON that an earlier run wrote with --out: take its walks")
+    parser.add_argument("--pair-plan-batch", type=int, default=None,
+                        help="add the per-pair split persistence of the walks tiled to this many rows (e.g. 128)")
+    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=64, help="for --pair-plan-batch")
+    parser.add_argument("--sms", type=int, default=132, help="for --pair-plan-batch (132: an H200)")
     args = parser.parse_args(argv)
     from kernels.results_io import write_json_atomic
 
     from ..capture import KVCapture
 
-    capture = KVCapture.load(args.capture)
-    if args.dtype is not None:
-        capture = capture.to(dtype=getattr(torch, args.dtype))
-    walks = decode_walks(capture, ARTConfig())
+    if args.from_json:
+        record = json.loads(args.capture.read_text())
+        if args.dtype is not None or "walks" not in record:
+            parser.error("--from-json takes the walks (and dtype) of an earlier --out JSON; it has "
+                         f"{'no walks' if 'walks' not in record else 'its own dtype: drop --dtype'}")
+        walks = torch.tensor(record["walks"])
+        record.pop("walks")
+    else:
+        capture = KVCapture.load(args.capture)
+        if args.dtype is not None:
+            capture = capture.to(dtype=getattr(torch, args.dtype))
+        walks = decode_walks(capture, ARTConfig())
+        meta = capture.metadata
+        record = {"capture": str(args.capture), "model": meta["model"]["name"], "source": meta["source"],
+                  "context_tokens": meta["context_tokens"], "decode_steps": meta["decode_steps"],
+                  "dtype": args.dtype or "as stored", "rule": repr(ARTConfig())}
     summary = persistence_summary(walks, args.thresholds)
+    if args.pair_plan_batch is not None:
+        # blocks of the last decode step's context: the longest walk any step can take
+        max_steps = -(-(record["context_tokens"] + record["decode_steps"]) // 64)
+        summary.update(pair_split_persistence(walks, batch=args.pair_plan_batch, max_steps=max_steps,
+                                              head_dim=args.head_dim, sms=args.sms), pair_plan_max_steps=max_steps)
     print(json.dumps(summary, indent=2))
     if args.out is not None:
-        meta = capture.metadata
-        write_json_atomic(args.out, {"capture": str(args.capture), "model": meta["model"]["name"],
-                                     "source": meta["source"], "context_tokens": meta["context_tokens"],
-                                     "decode_steps": meta["decode_steps"], "dtype": args.dtype or "as stored",
-                                     "rule": repr(ARTConfig()), "summary": summary, "walks": walks.tolist()})
+        write_json_atomic(args.out, {**record, "summary": summary, "walks": walks.tolist()})
     return summary
 
 
