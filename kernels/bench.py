@@ -338,16 +338,16 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
         follow_step = default_follow_step(q, k, art, None if hint is None else longest)
         pair_plan = None if hint is None else bench_pair_plan(q, k, art, hint)
-        extras[impl] = dict(num_splits=steps.shape[-1], follow_step=0 if pair_plan is not None else follow_step,
+        # per-pair splits leave the pairs below the threshold a whole walk, where the monitor can stop (art_decode)
+        extras[impl] = dict(num_splits=steps.shape[-1], follow_step=follow_step,
                             loaded_fraction=loaded_fraction(steps, seqlen),
-                            monitor_runs=leader_can_stop(blocks, steps.shape[-1], art, follow_step),
+                            monitor_runs=leader_can_stop(blocks, 1 if pair_plan else steps.shape[-1], art, follow_step),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))
+        if pair_plan is not None:
+            extras[impl].update(pair_split_threshold=pair_plan[1],
+                                pair_split_walks=sum(w > pair_plan[1] for w in hint.sorted_walks))
     extras["art_calibrated"]["longest_stop_steps"] = longest
-    pair_plan = bench_pair_plan(q, k, art, pair_walks)
-    if pair_plan is not None:
-        extras["art_calibrated"].update(pair_split_threshold=pair_plan[1],
-                                        pair_split_walks=sum(w > pair_plan[1] for w in pair_walks.sorted_walks))
     results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS)
     rows = []
     for impl, result in results.items():

@@ -19,8 +19,8 @@ Each row keeps the step's split count, per-pair split threshold and loaded fract
 steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
 calibrated split count.  The loops (``LOOP_CASES``) are B = 32 at 8k and 32k, where the split plan takes several
 splits, and B = 128 at 32k, where it takes one and the walks expected to run long take per-pair splits
-(:mod:`kernels.pair_walks`).
-Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by a read (:func:`kernels.bench.time_interleaved`).
+(:mod:`kernels.pair_walks`).  Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by
+a read (:func:`kernels.bench.time_interleaved`).
 
 ``run(out_dir, capture, art=...)`` writes ``<out_dir>/<date>-art-decode-loop.json``.
 """
@@ -75,7 +75,7 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 pair_plan = None if given is None else bench_pair_plan(q, k, art, given)
                 row.update(longest_stop_steps=longest, pair_walks=None if given is None else given.walks.tolist(),
                            num_splits=steps.shape[-1],
-                           follow_step=0 if pair_plan is not None else default_follow_step(q, k, art, longest),
+                           follow_step=default_follow_step(q, k, art, longest),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
             rows.append(row)
