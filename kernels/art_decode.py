@@ -263,6 +263,7 @@ from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
+from .walk_model import shared_bandwidth_steps
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -280,6 +281,9 @@ TMA_MAX_BLOCK = 64
 MIN_SUBPAGE = 16                 # the fewest tokens of a page read as its own tile (the smallest dot operand)
 LEADER_TMA_MIN_STEPS = 32
 RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
+RESIDENT_AT_TWO_STAGES = 4       # ... and with 2
+# told each walk, 3 stages past a wave of them only where the walk model, longest first, gains this much (V45)
+LONGEST_FIRST_THREE_STAGES_GAIN = 0.97
 PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
@@ -452,7 +456,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     programs = batch * kv_heads * num_splits
     if pair_threshold is not None:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged)
+    longest_first = pair_walks is not None and art is not None
+    # told each walk and walked single, a grid past a wave at 3 stages may still take them (launch order, below)
+    sms = _num_sms(q.device)
+    three_stages = (longest_first and num_splits == 1 and not paged and block_size == TMA_MAX_BLOCK
+                    and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * sms
+                    and pair_walks.memo(("three_stages", head_dim, sms),
+                                        lambda: longest_first_three_stages(pair_walks.sorted_walks, head_dim, sms)))
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
+                                           three_stages=three_stages)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -466,6 +478,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, arrivals, pair_walks.walks if pair_gates else steps,
+        pair_walks.launch_order if longest_first else steps,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * follow_step,
@@ -481,7 +494,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates, num_warps=num_warps,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates,
+        LONGEST_FIRST=longest_first, num_warps=num_warps,
         num_stages=num_stages)
     if walk_hint is not None and monitored:
         walk_hint.record(steps, follow_step=follow_step)
@@ -599,6 +613,24 @@ def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[in
     if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
         return 1, walks[-1]
     return best
+
+
+def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:
+    """Whether single walks of 64-token blocks expected to load ``sorted_walks`` blocks (ascending, one per pair),
+    launched longest first on ``sms`` multiprocessors, should run at 3 K/V stages where their grid exceeds a wave
+    of them (``RESIDENT_AT_THREE_STAGES`` per multiprocessor; else 2 stages and ``RESIDENT_AT_TWO_STAGES``).  The
+    fluid walk model (:func:`kernels.walk_model.shared_bandwidth_steps`, the bandwidth at
+    ``DENSE_BLOCKS_PER_LONE_STEP``) times both slot counts; fewer slots win where they gain at least
+    ``LONGEST_FIRST_THREE_STAGES_GAIN``: walks of spread lengths, whose short ones fill the slots that the long
+    ones free.  H200, synthetic cache, ``ARTConfig()``, longest first (``-longest-first-stages-ab.json``, V45):
+    B = 64 x 8k, modelled at 0.94, took 0.167 ms at 3 stages against 0.188 at 2; B = 128 x 8k (0.98) 0.315
+    against 0.322; walks of even lengths lost 2-7 % at 3 stages (B = 64 x 32k, modelled at 1.03: 0.151 against
+    0.142; B = 128 x 32k, 0.99: 0.270 against 0.264)."""
+    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
+    longest_first = sorted_walks[::-1]
+    three = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_THREE_STAGES * sms)
+    two = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_TWO_STAGES * sms)
+    return three <= LONGEST_FIRST_THREE_STAGES_GAIN * two
 
 
 def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.device) -> int:
@@ -723,7 +755,7 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
 
 
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str, *,
-                   paged: bool = False) -> tuple[int, int]:
+                   paged: bool = False, three_stages: bool = False) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
@@ -731,7 +763,8 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
-    instead of 1.3 (V9).  ART and dense calls of one shape get the same configuration, so that
+    instead of 1.3 (V9), unless ``three_stages`` (told walks launched longest first,
+    :func:`longest_first_three_stages`).  ART and dense calls of one shape get the same configuration, so that
     ``tau = phi = 0`` stays bit-identical to dense.
 
     The paged layout takes ``PAGE_TABLE_STAGES`` more stages: each K/V tile's rows come from a page-table
@@ -744,7 +777,8 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
         warps, stages = 4, 3
     elif head_dim == 64 and loads == "host_descriptors":
         warps, stages = 1, 3
-    elif block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device):
+    elif (block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device)
+          and not three_stages):
         warps, stages = 2, 2
     else:
         warps, stages = 2, 3

@@ -427,7 +427,7 @@ def _await_leader(ptr, max_polls):
 @triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "walk_threshold"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, walks_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, walks_ptr, order_ptr,
         sm_scale, tau, phi, patience, first_counted,
         num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, walk_threshold,
         stride_qb, stride_qh,
@@ -439,11 +439,12 @@ def art_decode_split_kernel(
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
         RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr):
+        DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr, LONGEST_FIRST: tl.constexpr):
     """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED`` or ``PAIR_GATES``.  See the module
     docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred followers'
     (``DEFERRED``; unused otherwise); ``walks_ptr [B * Hkv]`` (int32) and ``walk_threshold``: the per-pair splits'
-    (``PAIR_GATES``; unused otherwise).
+    (``PAIR_GATES``; unused otherwise).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
+    pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
@@ -465,11 +466,16 @@ def art_decode_split_kernel(
     if DEFERRED or PAIR_GATES:
         # grid (B * Hkv, splits): every leader is dispatched before any follower, one per multiprocessor first,
         # and the followers that wait for them (or, per pair, have nothing to walk) fill the rest
-        bh = tl.program_id(0)
+        slot = tl.program_id(0)
         split = tl.program_id(1)
     else:
         split = tl.program_id(0)
-        bh = tl.program_id(1)
+        slot = tl.program_id(1)
+    if LONGEST_FIRST:
+        # the pairs expected to walk longest take the slots dispatched first
+        bh = tl.load(order_ptr + slot)
+    else:
+        bh = slot
     score_log2 = sm_scale * 1.4426950408889634
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads

@@ -14,10 +14,17 @@ keeps the others single (:func:`kernels.art_decode.choose_pair_plan`)::
 A :class:`PairWalks` holds the walks twice: on the call's device, where the kernel reads each pair's, and sorted on
 the host, where the launcher plans the split count and threshold without reading the device.  Making one reads the
 tensor once (a device sync); a call that takes it reads nothing, so it can be captured in a CUDA graph.
+
+It also holds the *launch order*: the pairs by expected walk, longest first.  A call told the walks dispatches its
+programs in that order, so that where the grid is more than one wave the longest walks start first and the short
+ones fill the multiprocessors as they free up, instead of a long walk starting late and ending last (the classic
+longest-processing-time-first rule; ``kernels.art_decode``, *launch order*).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,10 +32,26 @@ import torch
 @dataclass(frozen=True)
 class PairWalks:
     """``walks [B, Hkv]`` (int32, on the call's device): the blocks each ``(b, kv_head)``'s monitored walk is
-    expected to load; ``sorted_walks``: the same values on the host, ascending."""
+    expected to load; ``sorted_walks``: the same values on the host, ascending; ``launch_order [B * Hkv]`` (int32,
+    on the device): the pairs (``b * Hkv + kv_head``) by expected walk, longest first, equal walks in pair order."""
 
     walks: torch.Tensor
     sorted_walks: tuple[int, ...]
+    launch_order: torch.Tensor
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, evaluated once per ``key`` for these walks (the launcher's plans from them, which a decode
+        step's calls of one layer would otherwise repeat)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    @classmethod
+    def of(cls, walks: torch.Tensor, host: torch.Tensor, order: torch.Tensor | None = None) -> PairWalks:
+        """From ``walks [B, Hkv]`` (int32, on the call's device), the same values already on the host, and their
+        :func:`longest_first` (queued here when not given; no sync either way)."""
+        return cls(walks, tuple(sorted(host.flatten().tolist())), longest_first(walks) if order is None else order)
 
     @classmethod
     def from_walks(cls, walks: torch.Tensor) -> PairWalks:
@@ -43,4 +66,10 @@ class PairWalks:
         if int(host.min()) < 1 or int(host.max()) >= 2 ** 31:
             raise ValueError(f"every expected walk must be in [1, 2**31) blocks, got [{int(host.min())}, "
                              f"{int(host.max())}]")
-        return cls(walks.detach().to(torch.int32).contiguous(), tuple(sorted(host.flatten().tolist())))
+        return cls.of(walks.detach().to(torch.int32).contiguous(), host)
+
+
+def longest_first(walks: torch.Tensor) -> torch.Tensor:
+    """The launch order of pairs with expected walks ``walks [B, Hkv]`` (on their device, no sync): ``[B * Hkv]``
+    int32 pair indices by walk, longest first, equal walks in pair order."""
+    return torch.argsort(walks.flatten(), descending=True, stable=True).to(torch.int32)

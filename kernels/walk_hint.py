@@ -33,7 +33,7 @@ import torch
 
 from .art_decode import leader_range
 from .int_checks import check_count
-from .pair_walks import PairWalks
+from .pair_walks import PairWalks, longest_first
 
 
 class LongestWalkHint:
@@ -56,8 +56,9 @@ class LongestWalkHint:
     def __init__(self):
         self._steps: int | None = None
         self._pair_walks: PairWalks | None = None
-        # records in stream order: each pair's walk on the device, its pinned host copy, and the copy's event
-        self._pending: deque[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
+        # records in stream order: each pair's walk on the device, its pinned host copy, its launch order, and the
+        # copy's event
+        self._pending: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
 
     @property
     def steps(self) -> int | None:
@@ -73,11 +74,11 @@ class LongestWalkHint:
         return self._pair_walks
 
     def _take_landed(self) -> None:
-        while self._pending and self._pending[0][2].query():
-            self._set(*self._pending.popleft()[:2])
+        while self._pending and self._pending[0][3].query():
+            self._set(*self._pending.popleft()[:3])
 
-    def _set(self, walks: torch.Tensor, host: torch.Tensor) -> None:
-        self._pair_walks = PairWalks(walks, tuple(sorted(host.flatten().tolist())))
+    def _set(self, walks: torch.Tensor, host: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        self._pair_walks = PairWalks.of(walks, host, order)
         self._steps = self._pair_walks.sorted_walks[-1]
 
     def record(self, steps: torch.Tensor, follow_step: int = 0) -> None:
@@ -100,9 +101,10 @@ class LongestWalkHint:
                                "would only happen at capture time; a captured call's split count is fixed anyway")
         host = torch.empty(walks.shape, dtype=torch.int32, pin_memory=True)
         host.copy_(walks, non_blocking=True)
+        order = longest_first(walks)   # queued with the record, in stream order
         landed = torch.cuda.Event()
         landed.record()
-        self._pending.append((walks, host, landed))
+        self._pending.append((walks, host, order, landed))
 
 
 def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:

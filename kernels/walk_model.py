@@ -35,29 +35,39 @@ def shared_bandwidth_ms(walk_steps: Sequence[int], *, step_us: float, fixed_us: 
         bandwidth_tb_per_s: the memory bandwidth the walks share, > 0.
         slots: programs resident at once, >= 1.
     """
-    steps = [int(n) for n in walk_steps]
-    if not steps:
-        raise ValueError("walk_steps must hold at least one walk")
-    if min(steps) < 1:
-        raise ValueError(f"every walk loads at least one block, got {min(steps)}")
     for name, value in (("step_us", step_us), ("block_bytes", block_bytes), ("bandwidth_tb_per_s", bandwidth_tb_per_s)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     if not fixed_us >= 0:
         raise ValueError(f"fixed_us must be >= 0, got {fixed_us!r}")
+    blocks_per_step = bandwidth_tb_per_s * 1e6 * step_us / block_bytes
+    return (shared_bandwidth_steps(walk_steps, blocks_per_step=blocks_per_step, slots=slots) * step_us
+            + fixed_us) / 1e3
+
+
+def shared_bandwidth_steps(walk_steps: Sequence[int], *, blocks_per_step: float, slots: int) -> float:
+    """The same model in lone steps, without the fixed time: ``blocks_per_step`` is the blocks the bandwidth
+    serves in one lone step (> 0), so that each of ``n`` running walks advances ``min(1, blocks_per_step / n)``
+    blocks per lone step.  ``walk_steps`` and ``slots``: as :func:`shared_bandwidth_ms`."""
+    steps = [int(n) for n in walk_steps]
+    if not steps:
+        raise ValueError("walk_steps must hold at least one walk")
+    if min(steps) < 1:
+        raise ValueError(f"every walk loads at least one block, got {min(steps)}")
+    if not blocks_per_step > 0:
+        raise ValueError(f"blocks_per_step must be > 0, got {blocks_per_step!r}")
     check_count(slots, "slots", 1)
-    bytes_per_us = bandwidth_tb_per_s * 1e6
     # every running walk advances alike, so a walk ends when the common progress reaches its start + length
-    progress, elapsed_us = 0.0, 0.0
+    progress, elapsed = 0.0, 0.0
     waiting = iter(steps)
     running = [float(n) for n in (next(waiting) for _ in range(min(slots, len(steps))))]
     heapq.heapify(running)
     while running:
-        pace = min(1.0 / step_us, bytes_per_us / (block_bytes * len(running)))   # blocks per us, per walk
+        pace = min(1.0, blocks_per_step / len(running))   # blocks per lone step, per walk
         end = heapq.heappop(running)
-        elapsed_us += (end - progress) / pace
+        elapsed += (end - progress) / pace
         progress = end
         admitted = next(waiting, None)
         if admitted is not None:
             heapq.heappush(running, progress + admitted)
-    return (elapsed_us + fixed_us) / 1e3
+    return elapsed

@@ -321,6 +321,69 @@ def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, 
     assert torch.equal(steps[~split][:, 0].long(), expected[~split])
 
 
+def test_a_call_told_each_walk_launches_the_longest_first_with_the_same_results(record_decode_launches):
+    """Told each pair's walk, the programs take the pairs longest walk first (``LONGEST_FIRST``: slot ``i`` serves
+    pair ``launch_order[i]``); every pair's output, lse and steps are those of the call told only the longest walk,
+    which launches the pairs in order, bit for bit."""
+    from kernels.pair_walks import PairWalks
+
+    q, k, v = synthetic_inputs(3, 8, 2, 1536, 64, torch.float16, CPU, seed=5)   # 24 steps, 6 pairs
+    params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    in_order = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    walks = in_order[2][..., 0]
+    told = PairWalks.from_walks(walks)
+    order = told.launch_order.tolist()
+    assert order != sorted(order), "the case must launch the pairs out of their order"
+    assert walks.flatten()[order].tolist() == sorted(walks.flatten().tolist(), reverse=True)
+    launches = record_decode_launches(forward=True)
+    longest_first = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True)
+    baseline = art_decode(q, k, v, art=params, longest_stop_steps=int(walks.max()), return_lse=True,
+                          return_stats=True)
+    assert [call.kwargs["LONGEST_FIRST"] for call in launches.calls] == [True, False]
+    assert [call.grid for call in launches.calls] == [(1, 6), (1, 6)], "both calls must be the single walk"
+    for got, expected, single in zip(longest_first, baseline, in_order):
+        assert torch.equal(got, expected) and torch.equal(got, single)
+
+
+def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gains():
+    from kernels.art_decode import longest_first_three_stages
+
+    def walks(histogram: dict, copies: int) -> list[int]:
+        return sorted(w for w, n in histogram.items() for _ in range(n * copies))
+
+    # the synthetic cache's walks at B = 32 (the replay of an H200 run): spread at 8k, even at 32k
+    at_8k = {28: 16, 30: 16, 31: 16, 32: 16, 33: 16, 37: 32, 39: 16, 41: 32, 44: 32, 45: 16, 52: 16, 57: 16, 65: 16}
+    at_32k = {31: 48, 32: 48, 33: 16, 34: 32, 35: 16, 36: 16, 39: 48, 42: 16, 44: 16}
+    # B = 64 x 8k on 132 multiprocessors: the 65-block walks start first, the 28-block ones fill the freed slots
+    assert longest_first_three_stages(walks(at_8k, 2), 128, 132)
+    # B = 128 x 8k: modelled at 0.98 of two stages, B = 64 x 32k at 1.03: two stages
+    assert not longest_first_three_stages(walks(at_8k, 4), 128, 132)
+    assert not longest_first_three_stages(walks(at_32k, 2), 128, 132)
+    assert not longest_first_three_stages([40] * 512, 128, 132), "equal walks gain nothing from fewer slots"
+
+
+def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
+    """The launcher asks the model only for a single-split call told each walk whose 64 x 128 grid exceeds a wave at
+    3 stages, once per walks object, and passes its answer to the launch configuration."""
+    from kernels.pair_walks import PairWalks
+
+    asked, configured = [], []
+    monkeypatch.setattr(art_decode_module, "longest_first_three_stages",
+                        lambda walks, head_dim, sms: asked.append((walks, head_dim, sms)) or True)
+    original = art_decode_module._launch_config
+    monkeypatch.setattr(art_decode_module, "_launch_config",
+                        lambda *args, **kwargs: configured.append(kwargs["three_stages"]) or original(*args, **kwargs))
+    q, k, v = synthetic_inputs(2, 8, 2, 512, 128, torch.float16, CPU, seed=1)   # 4 pairs on 1 "multiprocessor"
+    params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    told = PairWalks.from_walks(torch.tensor([[3, 8], [5, 2]]))
+    for _ in range(2):
+        art_decode(q, k, v, art=params, pair_walks=told)
+    art_decode(q, k, v, art=params, longest_stop_steps=8)                  # told the longest only
+    art_decode(q[..., :64], k[..., :64], v[..., :64], art=params, pair_walks=told)   # D = 64
+    assert asked == [((2, 3, 5, 8), 128, 1)], "one model evaluation per walks object, and only at D = 128"
+    assert configured == [True, True, False, False]
+
+
 def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch):
     from kernels.art_decode import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
 
@@ -356,6 +419,8 @@ def test_pair_walks_reject_bad_input():
     params = ARTConfig().kernel_params()
     walks = PairWalks.from_walks(torch.tensor([[3, 4], [1, 4]]))
     assert walks.sorted_walks == (1, 3, 4, 4) and walks.walks.dtype == torch.int32
+    # the launch order: longest first, equal walks in pair order
+    assert walks.launch_order.tolist() == [1, 3, 0, 2] and walks.launch_order.dtype == torch.int32
     for bad, message in ((torch.tensor([3, 4]), r"\[B, Hkv\] integer tensor"),
                          (torch.ones(2, 2), r"\[B, Hkv\] integer tensor"),
                          (torch.tensor([[0, 4], [1, 4]]), r"in \[1, 2\*\*31\) blocks, got \[0, 4\]")):

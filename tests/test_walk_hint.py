@@ -132,3 +132,7 @@ def test_the_hint_carries_each_pairs_walk_and_a_call_of_that_shape_takes_it(reco
     art_decode(q, k, v, art=ART, walk_hint=hint, longest_stop_steps=40)    # told the longest: no pair walks
     gates = [call.kwargs["PAIR_GATES"] for call in launches.calls]
     assert gates == [True, False, False]
+    # the recorded walks' launch order (longest first) goes to the call that takes them, and to no other
+    assert [call.kwargs["LONGEST_FIRST"] for call in launches.calls] == [True, False, False]
+    order = launches.calls[0].args[launches.kernel.arg_names.index("order_ptr")]
+    assert order.tolist() == [1, 2, 0]   # walks [40, 128, 128]
