@@ -132,6 +132,35 @@ walks instead (:class:`kernels.walk_hint.LongestWalkHint` carries them), the pla
 move between pairs from step to step: 8 steps at B = 128 x 32k totalled 0.37x the dense loop, against 0.40x
 without a hint and 0.23x told each step's own walks.
 
+**Launch order** (``benchmarks/NOTES-art-decode.md``, V45).  A call told each walk (``pair_walks``, or a
+``walk_hint`` that carries them) dispatches its programs by expected walk, longest first
+(:attr:`kernels.pair_walks.PairWalks.launch_order`, read by each program before anything else): where the grid is
+more than one wave, a long walk no longer starts late and ends last, and the short walks fill the multiprocessors
+that the long ones free.  In one wave the order only mixes long and short walks on each multiprocessor.  Single
+walks of 64 x 128 blocks past a wave at 3 stages also keep 3 stages (3 programs per multiprocessor, not 2 stages
+and 4) where :func:`longest_first_three_stages` finds that fewer slots pay: walks of spread lengths.  H200,
+``ARTConfig()``, CUDA-graph medians of 5 interleaved rounds, told each walk (``-longest-first-stages-ab.json``; ms,
+the launcher's choice in bold):
+
+============================  ==========  ==========================  ==========================  ===========
+synthetic 32/8, one split     pair order  longest first, 2 stages     longest first, 3 stages     time bound
+============================  ==========  ==========================  ==========================  ===========
+B = 32 x 8k (256 programs)    0.1089      (3 stages: one wave)        **0.1084**                  0.1003
+B = 64 x 8k (512)             0.1918      0.1883                      **0.1672**                  0.1868
+B = 128 x 8k (1024)           0.3693      **0.3220**                  0.3153                      0.3593
+B = 256 x 8k (2048)           0.6670      **0.6175**                  0.6170                      0.7119
+B = 64 x 32k                  0.1439      **0.1426**                  0.1511                      0.1555
+B = 128 x 32k                 0.2768      **0.2639**                  0.2696                      0.3001
+B = 256 x 32k                 0.5330      **0.5146**                  0.5163                      0.5964
+B = 64 x 128k                 0.1372      **0.1369**                  0.1462                      0.1509
+B = 128 x 128k                0.2666      **0.2579**                  0.2640                      0.2922
+============================  ==========  ==========================  ==========================  ===========
+
+On the SmolLM2 layer at B = 128 (per-pair splits) the order changed nothing (0.1230 / 0.1752 / 0.2711 ->
+0.1239 / 0.1754 / 0.2713 ms at 8k / 32k / 128k).  Reading the order costs a load before the first: 0-1.2 us per
+call against the same pairs told only their longest walk (0.1085 -> 0.1090 ms at B = 32 x 8k,
+``-longest-first-ab.json``).
+
 **One launch.**  With several splits, each program writes its partial ``(out, lse)``, then
 increments the ``(b, kv_head)``'s *arrival counter* (a CTA barrier, then a gpu-scope
 ``acq_rel`` atomic: the program's partial stores are released before the increment); the

@@ -19,7 +19,8 @@ measures:
   and again told each walk (``art_calibrated``: ``pair_walks`` from the stats of one earlier single-split call
   on the same inputs, so the split rule takes their longest as ``longest_stop_steps``, and where it then takes one
   split the walks expected to run long take every split of ``kernels.art_decode.choose_pair_plan``:
-  ``pair_split_threshold``, ``pair_split_walks``; a decode loop has only its previous step's longest walk, which
+  ``pair_split_threshold``, ``pair_split_walks``; told each walk, the call also launches the pairs longest
+  first, ``kernels.art_decode``'s *launch order*; a decode loop has only its previous step's walks, which
   :mod:`kernels.bench_decode_loop` times);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs

@@ -871,6 +871,32 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [64, 128])
+def test_gpu_walks_launched_longest_first_give_the_single_walks_results(monkeypatch, batch):
+    # B = 64 / 128 x 8k: 512 / 1024 single walks, past a wave at 3 stages.  Told walks spread like the synthetic
+    # cache's, the launcher takes 3 stages at B = 64 and 2 at B = 128 (longest_first_three_stages); either way the
+    # programs take the pairs longest first, and every output, lse and step count is the single walk's, bit for bit.
+    from kernels.pair_walks import PairWalks
+
+    q, k, v = synthetic_inputs(batch, 32, 8, 8192, 128, torch.bfloat16, _cuda(), seed=7)
+    params = ARTConfig().kernel_params()
+    single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    spread = {28: 16, 30: 16, 31: 16, 32: 16, 33: 16, 37: 32, 39: 16, 41: 32, 44: 32, 45: 16, 52: 16, 57: 16, 65: 16}
+    expected = torch.tensor([w for w, n in spread.items() for _ in range(n * batch // 32)], device=q.device)
+    expected = expected[torch.randperm(expected.numel(), generator=torch.Generator().manual_seed(0)).to(q.device)]
+    told = PairWalks.from_walks(expected.view(batch, 8))
+    stages = []
+    original = art_decode_module._launch_config
+    monkeypatch.setattr(art_decode_module, "_launch_config",
+                        lambda *args, **kwargs: stages.append(original(*args, **kwargs)[1]) or original(*args, **kwargs))
+    for _ in range(3):
+        got = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True)
+        for value, reference in zip(got, single):
+            assert torch.equal(value, reference)
+    assert set(stages) == {3 if batch == 64 else 2}
+
+
+@pytest.mark.gpu
 def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call():
     # B = 128 x 8k fills the GPU, so the plan is one split; told that 16 pairs walk the whole 128 blocks, the launcher
     # splits those (choose_pair_plan) and keeps the rest single.  Every call, each pair's output must be its plan's:
