@@ -42,7 +42,9 @@ splits, ``kernels.pair_walks``) each pair's expected walk (``walks [B * Hkv]``) 
 expected to walk more than ``walk_threshold`` blocks is cut as in the leader scheme (followers at once), any other
 is the single walk (the leader's range is the whole walk and it writes ``out`` and ``lse`` itself; its followers'
 ranges are empty, and none of the pair's programs touches its arrival counter); the grid is then
-``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.
+``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.  With
+``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
+(``order [B * Hkv]``, the pairs by expected walk, longest first), so that the longest walks are dispatched first.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
