@@ -486,14 +486,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if pair_threshold is not None:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
     longest_first = pair_walks is not None and art is not None
-    # told each walk and walked single, a grid past a wave at 3 stages may still take them (launch order, below)
-    sms = _num_sms(q.device)
-    three_stages = (longest_first and num_splits == 1 and not paged and block_size == TMA_MAX_BLOCK
-                    and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * sms
-                    and pair_walks.memo(("three_stages", head_dim, sms),
-                                        lambda: longest_first_three_stages(pair_walks.sorted_walks, head_dim, sms)))
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
-                                           three_stages=three_stages)
+                                           single_walks=pair_walks if longest_first and single else None)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -784,7 +778,7 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
 
 
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str, *,
-                   paged: bool = False, three_stages: bool = False) -> tuple[int, int]:
+                   paged: bool = False, single_walks=None) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
@@ -792,9 +786,11 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
-    instead of 1.3 (V9), unless ``three_stages`` (told walks launched longest first,
-    :func:`longest_first_three_stages`).  ART and dense calls of one shape get the same configuration, so that
-    ``tau = phi = 0`` stays bit-identical to dense.
+    instead of 1.3 (V9), unless the call walks each pair single, launched longest first from
+    ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`), on the contiguous layout, and
+    :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated once per walks
+    object).  ART and dense calls of one shape get the same configuration, so that ``tau = phi = 0``
+    stays bit-identical to dense.
 
     The paged layout takes ``PAGE_TABLE_STAGES`` more stages: each K/V tile's rows come from a page-table
     load, which the software pipeliner stages ahead of the tile, so at the contiguous layout's stage count
@@ -807,7 +803,9 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     elif head_dim == 64 and loads == "host_descriptors":
         warps, stages = 1, 3
     elif (block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device)
-          and not three_stages):
+          and not (single_walks is not None and not paged and single_walks.memo(
+              ("three_stages", head_dim, _num_sms(device)),
+              lambda: longest_first_three_stages(single_walks.sorted_walks, head_dim, _num_sms(device))))):
         warps, stages = 2, 2
     else:
         warps, stages = 2, 3

@@ -363,25 +363,41 @@ def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gai
 
 
 def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
-    """The launcher asks the model only for a single-split call told each walk whose 64 x 128 grid exceeds a wave at
-    3 stages, once per walks object, and passes its answer to the launch configuration."""
+    """The launch configuration asks the model only for contiguous single walks told each walk whose 64 x 128 grid
+    exceeds a wave at 3 stages, once per walks object, and takes 3 stages where it says so; the launcher hands it the
+    walks only for single-split calls told each walk."""
     from kernels.pair_walks import PairWalks
 
-    asked, configured = [], []
-    monkeypatch.setattr(art_decode_module, "longest_first_three_stages",
-                        lambda walks, head_dim, sms: asked.append((walks, head_dim, sms)) or True)
+    told = PairWalks.from_walks(torch.tensor([[3, 8], [5, 2]]))
+    handed = []
     original = art_decode_module._launch_config
     monkeypatch.setattr(art_decode_module, "_launch_config",
-                        lambda *args, **kwargs: configured.append(kwargs["three_stages"]) or original(*args, **kwargs))
+                        lambda *args, **kwargs: handed.append(kwargs["single_walks"]) or original(*args, **kwargs))
     q, k, v = synthetic_inputs(2, 8, 2, 512, 128, torch.float16, CPU, seed=1)   # 4 pairs on 1 "multiprocessor"
     params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
-    told = PairWalks.from_walks(torch.tensor([[3, 8], [5, 2]]))
-    for _ in range(2):
-        art_decode(q, k, v, art=params, pair_walks=told)
+    art_decode(q, k, v, art=params, pair_walks=told)
     art_decode(q, k, v, art=params, longest_stop_steps=8)                  # told the longest only
-    art_decode(q[..., :64], k[..., :64], v[..., :64], art=params, pair_walks=told)   # D = 64
-    assert asked == [((2, 3, 5, 8), 128, 1)], "one model evaluation per walks object, and only at D = 128"
-    assert configured == [True, True, False, False]
+    art_decode(q, k, v, art=params, num_splits=2)                          # several splits
+    assert handed == [told, None, None]
+
+    monkeypatch.setattr(art_decode_module, "_launch_config", original)
+    asked = []
+    answer = {"three": True}
+    monkeypatch.setattr(art_decode_module, "longest_first_three_stages",
+                        lambda walks, head_dim, sms: asked.append((walks, head_dim, sms)) or answer["three"])
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    config, cuda = art_decode_module._launch_config, torch.device("cuda")
+    assert config(cuda, 64, 128, 512, "host_descriptors", single_walks=told) == (2, 3)
+    assert config(cuda, 64, 128, 512, "host_descriptors", single_walks=told) == (2, 3)
+    assert config(cuda, 64, 128, 512, "host_descriptors") == (2, 2)                    # not told: one wave at 2
+    assert config(cuda, 64, 128, 396, "host_descriptors", single_walks=told) == (2, 3)  # one wave at 3 anyway
+    assert config(cuda, 64, 128, 512, "page_descriptors", paged=True, single_walks=told) == (2, 4)
+    assert config(cuda, 64, 64, 512, "pointers", single_walks=told) == (2, 3)           # D = 64: 3 stages anyway
+    assert asked == [((2, 3, 5, 8), 128, 132)], "one model evaluation per walks object, and only where it decides"
+    answer["three"] = False
+    even = PairWalks.from_walks(torch.ones(2, 2, dtype=torch.int64))
+    assert config(cuda, 64, 128, 512, "host_descriptors", single_walks=even) == (2, 2)
 
 
 def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch):
