@@ -119,8 +119,11 @@ have ended.  A real layer's walks are lopsided (SmolLM2 layer 15 tiled to B = 12
 of the layer's previous call), the launcher gives the pairs expected to walk more than a threshold every split at
 once, the leader scheme above for those pairs alone, and keeps the others single: the kernel reads each pair's walk,
 and a pair below the threshold has the whole walk in its leader's range and empty ranges in its followers, which
-arrive at once.  :func:`choose_pair_plan` takes the threshold and split count that minimise the longest walk or
-split range plus the blocks loaded over the dense pace.  A pair's result is that of the plan it takes: the single
+arrive at once.  :func:`choose_pair_plan` takes the threshold that minimises the longest walk or split range plus the
+blocks loaded over the dense pace; the split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks, and at ``D = 64``
+such a call runs 4 K/V stages, 4 programs per multiprocessor instead of 6 (V46: SmolLM2, B = 128 x 32k, 0.173 ms
+with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119, at 128k 0.272 -> 0.251 with 64
+splits).  A pair's result is that of the plan it takes: the single
 walk's, or that of the leader scheme over its split count (its leader stops within its range, or the walk is
 dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
 walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
@@ -314,6 +317,7 @@ RESIDENT_AT_TWO_STAGES = 4       # ... and with 2
 # told each walk, 3 stages past a wave of them only where the walk model, longest first, gains this much (V45)
 LONGEST_FIRST_THREE_STAGES_GAIN = 0.97
 PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
+PAIR_SPLIT_STAGES = 4            # 64-dim per-pair splits: 4 programs per multiprocessor instead of 6 (V46)
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLITS = 128
 WAVE_FILL = 0.75
@@ -325,8 +329,7 @@ GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most th
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
 PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
-PAIR_SPLIT_RANGE = 0.5      # the split pairs' ranges, as a fraction of the threshold (V44) ...
-PAIR_SPLIT_MIN_RANGE = 64   # ... of at least this many blocks (V44)
+PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -487,7 +490,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
     longest_first = pair_walks is not None and art is not None
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
-                                           single_walks=pair_walks if longest_first and single else None)
+                                           single_walks=pair_walks if longest_first and single else None,
+                                           pair_splits=pair_threshold is not None)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -604,21 +608,27 @@ def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[in
     pairs expected to walk more than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when
     no pair should.
 
+    The split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks (``splits = ceil(max_steps / 16)``, at most
+    ``MAX_SPLITS``): their programs fill the multiprocessors that the single walks free, and short ranges end
+    soon after the last of those.  H200, the SmolLM2 layer at B = 128, 4 K/V stages (V46,
+    ``-pair-split-stages-ab.json``, ms): at 32k, threshold 115, ranges of 64 / 32 / 16 / 8 blocks 0.177 / 0.160 /
+    **0.157** / 0.172; at 128k, threshold 219, ranges of 108 / 64 / 43 / 32 blocks 0.263 / 0.257 / 0.253 / 0.251;
+    at 8k, threshold 69, ranges of 64 / 32 / 16 blocks 0.116 / 0.121 / 0.119 (V44's rule took ranges of half the
+    threshold, at least 64 blocks).
+
     Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
-    walk, or the split pairs' range (``max_steps / splits``), whichever is longer, plus the blocks that the call
-    loads (the single walks' and every block of the split pairs) over the device's dense pace
-    (``DENSE_BLOCKS_PER_LONE_STEP`` per multiprocessor): the latency of the longest walk and the bandwidth of all,
-    taken as consecutive phases, as a walk that shares the bandwidth and then runs alone does.  The split pairs'
-    ranges are ``PAIR_SPLIT_RANGE`` of the threshold, but at least ``PAIR_SPLIT_MIN_RANGE`` blocks (``splits =
-    ceil(max_steps / max(t / 2, 64))``, at most ``MAX_SPLITS``): their programs share the bandwidth with the
-    single walks, and ranges of the threshold itself ended last, while shorter ranges than 64 blocks pay each
-    program's fixed cost for little (H200, V44, the SmolLM2 layer at B = 128: at 128k, threshold 214-241, 10 splits
-    0.295-0.302 ms and 16 splits 0.268-0.270; at 32k, threshold 122, 5 and 8 splits 0.171; at 8k, threshold 69,
-    4 splits of 32 blocks 0.130 and 2 of 64 0.123).  The cheapest wins, if it costs at most ``PAIR_SPLIT_MAX_COST`` of the
-    single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81, took 0.85 of the single walks'
-    time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
+    walk, or the split pairs' range, whichever is longer, plus the blocks that the call loads (the single walks'
+    and every block of the split pairs) over the device's dense pace (``DENSE_BLOCKS_PER_LONE_STEP`` per
+    multiprocessor): the latency of the longest walk and the bandwidth of all, taken as consecutive phases, as a
+    walk that shares the bandwidth and then runs alone does.  The cheapest wins, if it costs at most
+    ``PAIR_SPLIT_MAX_COST`` of the single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81,
+    took 0.85 of the single walks' time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
     rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
     walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
+    splits = min(MAX_SPLITS, -(-max_steps // PAIR_SPLIT_RANGE))
+    if splits < 2:
+        return 1, walks[-1]
+    split_range = -(-max_steps // splits)
     best_cost, best, single_cost = None, None, None
     loaded = 0
     for i, threshold in enumerate(walks):
@@ -629,8 +639,7 @@ def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[in
         if split_pairs == 0:   # the single walks alone
             single_cost = threshold + loaded / rate
             continue
-        splits = min(MAX_SPLITS, -(-max_steps // max(int(threshold * PAIR_SPLIT_RANGE), PAIR_SPLIT_MIN_RANGE)))
-        cost = max(threshold, -(-max_steps // splits)) + (loaded + split_pairs * max_steps) / rate
+        cost = max(threshold, split_range) + (loaded + split_pairs * max_steps) / rate
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, (splits, threshold)
     if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
@@ -778,7 +787,7 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
 
 
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str, *,
-                   paged: bool = False, single_walks=None) -> tuple[int, int]:
+                   paged: bool = False, single_walks=None, pair_splits: bool = False) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
@@ -789,8 +798,10 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     instead of 1.3 (V9), unless the call walks each pair single, launched longest first from
     ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`), on the contiguous layout, and
     :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated once per walks
-    object).  ART and dense calls of one shape get the same configuration, so that ``tau = phi = 0``
-    stays bit-identical to dense.
+    object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
+    ``PAIR_SPLIT_STAGES`` (4) stages: 4 programs per multiprocessor instead of 6 at 3 stages (shared memory), which
+    shortened the SmolLM2 layer's per-pair plans at B = 128 by 2-7 % (V46).  ART and dense calls of one shape
+    get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense.
 
     The paged layout takes ``PAGE_TABLE_STAGES`` more stages: each K/V tile's rows come from a page-table
     load, which the software pipeliner stages ahead of the tile, so at the contiguous layout's stage count
@@ -801,7 +812,7 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     if block_size > TMA_MAX_BLOCK:
         warps, stages = 4, 3
     elif head_dim == 64 and loads == "host_descriptors":
-        warps, stages = 1, 3
+        warps, stages = 1, PAIR_SPLIT_STAGES if pair_splits else 3
     elif (block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device)
           and not (single_walks is not None and not paged and single_walks.memo(
               ("three_stages", head_dim, _num_sms(device)),

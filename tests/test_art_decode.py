@@ -365,20 +365,23 @@ def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gai
 def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
     """The launch configuration asks the model only for contiguous single walks told each walk whose 64 x 128 grid
     exceeds a wave at 3 stages, once per walks object, and takes 3 stages where it says so; the launcher hands it the
-    walks only for single-split calls told each walk."""
+    walks only for single-split calls told each walk, and says per-pair splits only for calls that take them."""
     from kernels.pair_walks import PairWalks
 
     told = PairWalks.from_walks(torch.tensor([[3, 8], [5, 2]]))
     handed = []
     original = art_decode_module._launch_config
     monkeypatch.setattr(art_decode_module, "_launch_config",
-                        lambda *args, **kwargs: handed.append(kwargs["single_walks"]) or original(*args, **kwargs))
+                        lambda *args, **kwargs: handed.append((kwargs["single_walks"], kwargs["pair_splits"]))
+                        or original(*args, **kwargs))
     q, k, v = synthetic_inputs(2, 8, 2, 512, 128, torch.float16, CPU, seed=1)   # 4 pairs on 1 "multiprocessor"
     params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
     art_decode(q, k, v, art=params, pair_walks=told)
     art_decode(q, k, v, art=params, longest_stop_steps=8)                  # told the longest only
     art_decode(q, k, v, art=params, num_splits=2)                          # several splits
-    assert handed == [told, None, None]
+    monkeypatch.setattr(art_decode_module, "choose_pair_splits", lambda *args: (2, 4))
+    art_decode(q, k, v, art=params, pair_walks=told)                       # per-pair splits: 2 pairs above 4
+    assert handed == [(told, False), (None, False), (None, False), (None, True)]
 
     monkeypatch.setattr(art_decode_module, "_launch_config", original)
     asked = []
@@ -404,18 +407,21 @@ def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch
     from kernels.art_decode import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
 
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
-    # 380 walks of 10 blocks and 4 of 400 in 2048: split the 4 into ranges of 64 blocks, the fewest (32 splits, cost
-    # 64 + (3800 + 4 * 2048) / 251 = 112 lone steps against 400 + 5400 / 251 = 422 for one split)
-    assert choose_pair_plan([10] * 380 + [400] * 4, 2048, 64, CPU) == (32, 10)
-    # 4 walks of 2000 among 380 of 200: ranges of half the threshold, 100 blocks (21 splits of 2048)
-    assert choose_pair_plan([200] * 380 + [2000] * 4, 2048, 64, CPU) == (21, 200)
+    # 380 walks of 10 blocks and 4 of 400 in 2048: split the 4 into ranges of 16 blocks (128 splits, cost
+    # 16 + (3800 + 4 * 2048) / 251 = 64 lone steps against 400 + 5400 / 251 = 422 for one split)
+    assert choose_pair_plan([10] * 380 + [400] * 4, 2048, 64, CPU) == (MAX_SPLITS, 10)
+    # 4 walks of 2000 among 380 of 200: the ranges do not depend on the threshold
+    assert choose_pair_plan([200] * 380 + [2000] * 4, 2048, 64, CPU) == (MAX_SPLITS, 200)
+    # walks of at most 16 blocks: one range, nothing to split
+    assert choose_pair_plan([1] * 383 + [16], 16, 64, CPU) == (1, 16)
+    assert choose_pair_plan([1] * 383 + [17], 17, 64, CPU) == (2, 1)
     assert DENSE_BLOCKS_PER_LONE_STEP[64] * 132 == pytest.approx(250.8)
     # even walks: nothing to split
     assert choose_pair_plan([30] * 384, 512, 128, CPU) == (1, 30)
     # many walks of 60 in 2048 blocks: splitting them would load far more than their latency saves
     assert choose_pair_plan([10] * 200 + [60] * 184, 2048, 128, CPU) == (1, 60)
     # but walks that nearly reach the end lose little by running every split: 184 of 120 in 128 blocks
-    assert choose_pair_plan([10] * 200 + [120] * 184, 128, 128, CPU) == (2, 10)
+    assert choose_pair_plan([10] * 200 + [120] * 184, 128, 128, CPU) == (8, 10)
     # walks that all end about together: the single walks cost least (a split count of 1 is not costed at the
     # whole walk's range)
     assert choose_pair_plan([30] * 300 + [42] * 84, 512, 128, CPU) == (1, 42)

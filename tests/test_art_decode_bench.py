@@ -339,6 +339,9 @@ def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid
     assert config(cuda, 64, 128, 3 * 132, host) == (2, 3)       # B = 32 x 8 KV heads at one split: one wave
     assert config(cuda, 64, 128, 3 * 132 + 1, host) == (2, 2)   # B = 64: 512 programs, four per SM at two stages
     assert config(cuda, 64, 64, 4096, host) == (1, 3)           # 64-dim tiles through host descriptors: one warp
+    assert config(cuda, 64, 64, 4096, host, pair_splits=True) == (1, 4)   # per-pair splits: 4 per SM, not 6
+    assert config(cuda, 64, 128, 4096, host, pair_splits=True) == (2, 2)  # only the 64-dim tiles take a fourth
+    assert config(cuda, 64, 64, 4096, "kernel_descriptors", pair_splits=True) == (2, 3)
     assert config(cuda, 16, 64, 8, host) == (1, 3)
     assert config(cuda, 64, 64, 4096, "pointers") == (2, 3)     # gathered (paged) 64-dim rows keep two
     assert config(cuda, 64, 64, 8, "kernel_descriptors") == (2, 3)
