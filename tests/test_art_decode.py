@@ -919,20 +919,21 @@ def test_gpu_walks_launched_longest_first_give_the_single_walks_results(monkeypa
 
 
 @pytest.mark.gpu
-def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call():
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call(head_dim):
     # B = 128 x 8k fills the GPU, so the plan is one split; told that 16 pairs walk the whole 128 blocks, the launcher
     # splits those (choose_pair_plan) and keeps the rest single.  Every call, each pair's output must be its plan's:
     # the single walk's bit for bit, or the leader scheme's over the split count (the single walk where the leader
-    # stopped in its range, else the dense output of that partition).
+    # stopped in its range, else the dense output of that partition).  D = 64 runs PAIR_SPLIT_STAGES.
     from kernels.pair_walks import PairWalks
 
-    q, k, v = synthetic_inputs(128, 32, 8, 8192, 128, torch.bfloat16, _cuda(), seed=5)
+    q, k, v = synthetic_inputs(128, 32, 8, 8192, head_dim, torch.bfloat16, _cuda(), seed=5)
     params = ARTConfig().kernel_params()
     single, single_steps = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)
     expected = single_steps[..., 0].clone()
     expected.view(-1)[::64] = 128
     walks = PairWalks.from_walks(expected)
-    plan = art_decode_module.choose_pair_splits(128, 8, 128, q.device, params, 64, 128, walks)
+    plan = art_decode_module.choose_pair_splits(128, 8, 128, q.device, params, 64, head_dim, walks)
     assert plan is not None, "the case must take per-pair splits"
     splits, threshold = plan
     split = (expected > threshold).repeat_interleave(4, dim=1)
