@@ -122,10 +122,9 @@ and a pair below the threshold has the whole walk in its leader's range and empt
 arrive at once.  :func:`choose_pair_plan` takes the threshold that minimises the longest walk or split range plus the
 blocks loaded over the dense pace; the split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks, and at ``D = 64``
 such a call runs 4 K/V stages, 4 programs per multiprocessor instead of 6 (V46: SmolLM2, B = 128 x 32k, 0.173 ms
-with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119, at 128k 0.272 -> 0.251 with 64
-splits).  A pair's result is that of the plan it takes: the single
-walk's, or that of the leader scheme over its split count (its leader stops within its range, or the walk is
-dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
+with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119 with 8 splits, at 128k 0.272 ->
+0.251 with 128).  A pair's result is that of the plan it takes: the single walk's, or that of the leader scheme over
+its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
 walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
 layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
 **0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
