@@ -124,8 +124,8 @@ blocks loaded over the dense pace; the split pairs' ranges are ``PAIR_SPLIT_RANG
 such a call runs 4 K/V stages, 4 programs per multiprocessor instead of 6 (V46: SmolLM2, B = 128 x 32k, 0.173 ms
 with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119 with 8 splits, at 128k 0.272 ->
 0.251 with 128).  A pair's result is that of the plan it takes: the single walk's, or that of the leader scheme over
-its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so that every leader is dispatched before the followers, most of which
-walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
+its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so
+that every leader is dispatched before the followers, most of which walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
 layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
 **0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
 0.722 / 2.860), and with ranges of at least 64 blocks 0.123 / 0.175 / 0.271 (2 / 8 / 19 splits, same-process A/B);
@@ -485,12 +485,13 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                       leader_steps=(leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
     programs = batch * kv_heads * num_splits
-    if pair_threshold is not None:   # the followers of the pairs below the threshold have empty ranges
+    pair_gates = pair_threshold is not None
+    if pair_gates:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
     longest_first = pair_walks is not None and art is not None
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
                                            single_walks=pair_walks if longest_first and single else None,
-                                           pair_splits=pair_threshold is not None)
+                                           pair_splits=pair_gates)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -499,7 +500,6 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
     deferred = follow_step > 0
-    pair_gates = pair_threshold is not None
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
