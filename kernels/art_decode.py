@@ -134,6 +134,35 @@ walks instead (:class:`kernels.walk_hint.LongestWalkHint` carries them), the pla
 move between pairs from step to step: 8 steps at B = 128 x 32k totalled 0.37x the dense loop, against 0.40x
 without a hint and 0.23x told each step's own walks.
 
+**On-demand followers** (``release_walks``; ``benchmarks/NOTES-art-decode.md``, V47).  Not told the walks, a call
+whose pairs fill the GPU takes one split and lasts as long as its longest walk.  With ``release_walks=R`` (and
+``num_splits``; ``follow_step`` default 0) every leader walks alone, and at each end of a chunk past the follow step
+it reads the launch's count of pairs done walking alone (the count is read as the chunk starts, one element per
+thread, and reduced over all of them, so that every warp decides alike); once at most ``R`` leaders still walk
+alone, it releases its followers: it writes the release step, sets ``RELEASED``, and its range ends a share past
+that step (:func:`leader_range` of the rest, as for deferred followers released there).  The followers wait from
+the start, polling the pair's word and sleeping ``ON_DEMAND_POLL_NS`` between polls, read the release step and walk
+their ranges; a pair whose leader stops first, or walks to its end, is the single walk bit for bit (its leader
+raises ``CONVERGED`` and its followers walk nothing).  The grid is ``(B * Hkv, splits)``, every leader dispatched
+before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
+released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
+walks on alone), so no program waits without end on a leader that is not resident.  Opt-in: it gains on lopsided
+walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
+of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each call's loaded fraction):
+
+=========================  ==============  ==========================  ================================  =====
+SmolLM2 layer, B = 128     default         on demand (splits, R)       never stopping: default -> od     dense
+=========================  ==============  ==========================  ================================  =====
+8k                         0.144 (0.114)   **0.126 (0.133)** (8, 264)  0.183 -> 0.192 (+4.8 %; 4, 264)   0.184
+32k                        0.480 (0.130)   **0.196 (0.155)** (16, 66)  0.700 -> 0.725 (+3.6 %; 16, 66)   0.705
+128k                       0.481 (0.144)   **0.331 (0.197)** (32, 33)  2.765 -> 2.831 (+2.4 %; 16, 66)   2.79
+=========================  ==============  ==========================  ================================  =====
+
+Told each walk instead, the per-pair splits take 0.120 / 0.157 / 0.251 ms.  The never-stopping overhead is not
+the polls (1 us sleeps or none: the same within 0.5 %).  On the synthetic caches at ``D = 128`` (B = 32 to 128 x 8k,
+128 x 32k) every setting was 5-60 % slower than the default, whose single walks end about together (B = 32 x 8k:
+0.171 ms at 2 splits against 0.108), so the default plan does not take it.
+
 **Launch order** (``benchmarks/NOTES-art-decode.md``, V45).  A call told each walk (``pair_walks``, or a
 ``walk_hint`` that carries them) dispatches its programs by expected walk, longest first
 (:attr:`kernels.pair_walks.PairWalks.launch_order`, read by each program before anything else): where the grid is
@@ -324,6 +353,7 @@ ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
 ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
+ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between polls of its leader's word
 # blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
@@ -336,8 +366,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
-               follow_step: int | None = None, walk_hint=None, pair_walks=None, return_lse: bool = False,
-               return_stats: bool = False):
+               follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
+               return_lse: bool = False, return_stats: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -376,6 +406,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
             one split, the pairs expected to walk long take every split of :func:`choose_pair_plan` (module
             docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
+        release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
+            each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
+            its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
+            whose leader stops first, or walks to its end, is the single walk.  Not with ``pair_walks`` or
+            ``walk_hint``.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -424,6 +459,14 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         check_count(longest_stop_steps, "longest_stop_steps", 1, unit="blocks")
     if follow_step is not None:
         check_count(follow_step, "follow_step", 0, unit="blocks")
+    if release_walks is not None:
+        check_count(release_walks, "release_walks", 0, unit="pairs")
+        if art is None or pair_walks is not None:
+            raise ValueError("release_walks releases the followers of monitored walks: it needs art and no "
+                             "pair_walks")
+        if walk_hint is not None:
+            raise ValueError("release_walks cannot record into walk_hint: a released pair's steps do not tell how "
+                             "long its walk ran (the release step is not among them)")
     if walk_hint is not None:
         from .walk_hint import LongestWalkHint
         if not isinstance(walk_hint, LongestWalkHint):
@@ -455,10 +498,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         check_count(num_splits, "num_splits", 1, MAX_SPLITS)
     if art is None or num_splits == 1 or follow_step is None or pair_threshold is not None:
         follow_step = 0
+    on_demand = release_walks is not None and num_splits > 1
     monitored = art is not None
-    # with per-pair splits, the pairs below the threshold walk the whole range: the monitor can stop there
-    if art is not None and not leader_can_stop(max_steps, 1 if pair_threshold is not None else num_splits, art,
-                                               follow_step):
+    # with per-pair splits and on-demand followers, a leader may walk the whole range: the monitor can stop there
+    if art is not None and not leader_can_stop(max_steps, 1 if pair_threshold is not None or on_demand else num_splits,
+                                               art, follow_step):
         art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
         follow_step = 0
 
@@ -472,6 +516,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
         arrivals = _arrival_counters(q.device, batch * kv_heads)
+    on_demand = on_demand and art is not None
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else steps          # steps: a placeholder pointer, never read
     lengths = steps if seqlens is None else seqlens
@@ -482,7 +527,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
-                      leader_steps=(leader_range(max_steps, num_splits, follow_step)
+                      leader_steps=(max_steps if on_demand else leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
     programs = batch * kv_heads * num_splits
     pair_gates = pair_threshold is not None
@@ -499,16 +544,17 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
-    deferred = follow_step > 0
-    grid = (batch * kv_heads, num_splits) if deferred or pair_gates else (num_splits, batch * kv_heads)
+    deferred = follow_step > 0 and not on_demand
+    grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
-        out, lse, part_out, part_lse, steps, arrivals, pair_walks.walks if pair_gates else steps,
+        out, lse, part_out, part_lse, steps, arrivals,
+        pair_walks.walks if pair_gates else _release_words(q.device, batch * kv_heads) if on_demand else steps,
         pair_walks.launch_order if longest_first else steps,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
-        kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * follow_step,
-        pair_threshold if pair_gates else 0,
+        kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * (max_steps if on_demand else follow_step),
+        pair_threshold if pair_gates else release_walks if on_demand else 0,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
@@ -521,7 +567,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates,
-        LONGEST_FIRST=longest_first, num_warps=num_warps,
+        LONGEST_FIRST=longest_first, ON_DEMAND=on_demand, PROGRAM_THREADS=32 * num_warps,
+        POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, num_warps=num_warps,
         num_stages=num_stages)
     if walk_hint is not None and monitored:
         walk_hint.record(steps, follow_step=follow_step)
@@ -754,6 +801,23 @@ def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
         if not _capturing(device):
             _ARRIVAL_COUNTERS[key] = counters
     return counters
+
+
+_RELEASE_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _release_words(device: torch.device, pairs: int) -> torch.Tensor:
+    """``[pairs + 1]`` int32 of the on-demand followers (``release_walks``): each ``(b, kv_head)``'s release step
+    (written before its ``RELEASED`` bit, read only after it), then the launch's count of pairs whose leader has
+    released its followers or finished alone, zero between launches (the last to count puts it back).  Kept per
+    device and pair count as :func:`_arrival_counters` is."""
+    key = (device, pairs)
+    words = _RELEASE_WORDS.get(key)
+    if words is None:
+        words = torch.zeros(pairs + 1, dtype=torch.int32, device=device)
+        if not _capturing(device):
+            _RELEASE_WORDS[key] = words
+    return words
 
 
 def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *, uniform: bool,

@@ -39,11 +39,17 @@ at the end of a chunk at or past its step ``follow_step`` without being done (it
 ranges then cut the walk past the follow step, the leader's holding the steps before it too, and the grid is
 ``(B * Hkv, splits)`` so that every leader is dispatched before any follower.  With ``PAIR_GATES`` (per-pair
 splits, ``kernels.pair_walks``) each pair's expected walk (``walks [B * Hkv]``) decides its ranges: a pair
-expected to walk more than ``walk_threshold`` blocks is cut as in the leader scheme (followers at once), any other
+expected to walk more than ``pair_limit`` blocks is cut as in the leader scheme (followers at once), any other
 is the single walk (the leader's range is the whole walk and it writes ``out`` and ``lse`` itself; its followers'
 ranges are empty, and none of the pair's programs touches its arrival counter); the grid is then
 ``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.  With
-``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
+``ON_DEMAND`` (on-demand followers, ``release_walks``) the leader's range is the whole walk until it releases its
+followers: at the end of a chunk at or past ``follow_step``, once at most ``pair_limit`` of the launch's leaders still
+walk alone (a count after the pairs' words in ``pair_words_ptr``, read as the chunk starts), it writes its step in its
+pair's word, sets ``RELEASED`` and ends its range a share past that step; the followers wait from the start
+(``_await_release``) and cut the rest of the walk as deferred followers released at that step would.  A leader that
+stops first, or walks to its end, raises ``CONVERGED`` (its result alone is the pair's); the grid is
+``(B * Hkv, splits)``.  With ``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
 (``order [B * Hkv]``, the pairs by expected walk, longest first), so that the longest walks are dispatched first.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
@@ -68,6 +74,7 @@ HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this man
 CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival counter (splits are fewer)
 RELEASED = tl.constexpr(1 << 17)      # deferred followers: the leader passed the follow step without stopping
 RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's first chunk (its leader may stop a few steps later)
+GAVE_UP = tl.constexpr(1 << 18)       # on-demand followers: one stopped waiting before the release (it is then void)
 
 
 @triton.jit
@@ -426,12 +433,59 @@ def _await_leader(ptr, max_polls):
     return ((state & CONVERGED) != 0).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "walk_threshold"])
+@triton.jit
+def _pause(nanoseconds, SLEEP: tl.constexpr):
+    """With ``SLEEP``, the thread sleeps about ``nanoseconds`` (``nanosleep``: a waiting program then leaves the
+    multiprocessor's issue slots and the atomics' bandwidth to the walks); without it (the CPU interpreter, which runs
+    no inline assembly), nothing.  Returns 0."""
+    if SLEEP:
+        done = tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [nanoseconds],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        done = nanoseconds * 0
+    return done
+
+
+@triton.jit
+def _await_release(ptr, max_polls, poll_ns, SLEEP: tl.constexpr):
+    """An on-demand follower's wait before its first block: polls the arrival counter at ``ptr`` until the leader
+    has released the followers (returns 1: the follower walks its range) or finished alone (bit ``CONVERGED``:
+    returns 0, it walks nothing), at most ``max_polls`` times.  Then it gives up (returns 0) unless the leader has
+    released meanwhile: it sets ``GAVE_UP`` by compare-and-swap only while ``RELEASED`` is clear, so a word that
+    holds both was given up first, and the leader, whose release returns the word, then walks on alone (no program
+    waits without end on a leader that is not resident).  Between polls it sleeps ``poll_ns`` (``_pause``)."""
+    state = max_polls * 0
+    polls = max_polls * 0
+    while (state == 0) & (polls < max_polls):
+        state = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") & (CONVERGED | RELEASED | GAVE_UP)
+        polls += 1
+        if state == 0:
+            polls += _pause(poll_ns, SLEEP)
+    if state == 0:
+        word = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        while (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
+            seen = tl.atomic_cas(ptr, word, word | GAVE_UP, sem="acq_rel", scope="gpu")
+            word = tl.where(seen == word, word | GAVE_UP, seen)
+        state = word & (CONVERGED | RELEASED | GAVE_UP)
+    return (state == RELEASED).to(tl.int32)
+
+
+@triton.jit
+def _count_finished(counter_ptr, num_pairs):
+    """An on-demand leader that has released its followers or finished alone adds itself to the launch's count
+    of such pairs at ``counter_ptr``; the last of ``num_pairs`` puts it back to 0 for the next launch (every leader
+    reads it only before its own count)."""
+    before = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+    if before == num_pairs - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "pair_limit"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, walks_ptr, order_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, walk_threshold,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -441,11 +495,16 @@ def art_decode_split_kernel(
         USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, ART_CHUNK: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
         RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED`` or ``PAIR_GATES``.  See the module
-    docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred followers'
-    (``DEFERRED``; unused otherwise); ``walks_ptr [B * Hkv]`` (int32) and ``walk_threshold``: the per-pair splits'
-    (``PAIR_GATES``; unused otherwise).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
+        DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr, LONGEST_FIRST: tl.constexpr, ON_DEMAND: tl.constexpr,
+        PROGRAM_THREADS: tl.constexpr, POLL_NS: tl.constexpr):
+    """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED``, ``PAIR_GATES`` or ``ON_DEMAND``.
+    See the module docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred and
+    on-demand followers' (``DEFERRED``, ``ON_DEMAND``; unused otherwise).  ``pair_words_ptr`` (int32) and
+    ``pair_limit``: with ``PAIR_GATES`` each pair's expected walk (``[B * Hkv]``) and the walk threshold of the
+    per-pair splits; with ``ON_DEMAND`` each pair's release step, then the launch's count of pairs whose leader has
+    released its followers or finished alone (``[B * Hkv + 1]``, the count zero between launches), and the most
+    leaders still walking alone at a release; unused otherwise.  ``PROGRAM_THREADS``: the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's
+    sleep between polls (0: none, as in the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
     pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
@@ -465,7 +524,7 @@ def art_decode_split_kernel(
     leading rows of the ``BLOCK_H``-row tile that the monitor reads, ``BLOCK_H // 2`` when the group's
     heads fit in them (the rest is padding; the monitored step then takes 611 instead of 664 instructions
     at ``D = 128``), else ``BLOCK_H``."""
-    if DEFERRED or PAIR_GATES:
+    if DEFERRED or PAIR_GATES or ON_DEMAND:
         # grid (B * Hkv, splits): every leader is dispatched before any follower, one per multiprocessor first,
         # and the followers that wait for them (or, per pair, have nothing to walk) fill the rest
         slot = tl.program_id(0)
@@ -499,12 +558,18 @@ def art_decode_split_kernel(
         gate = tl.maximum(tl.minimum(follow_step.to(num_blocks.dtype), num_blocks), 0)
     if PAIR_GATES:
         # a pair expected to walk past the threshold takes every split at once, any other is the single walk
-        gate = tl.where(tl.load(walks_ptr + bh) > walk_threshold, 0, num_blocks)
+        gate = tl.where(tl.load(pair_words_ptr + bh) > pair_limit, 0, num_blocks)
+    if ON_DEMAND:
+        # the leader walks alone unless it releases its followers; a follower learns its range at the release
+        gate = num_blocks
+        if split > 0:
+            if _await_release(arrivals_ptr + bh, max_gate_polls, POLL_NS, POLL_NS > 0) != 0:
+                gate = tl.atomic_add(pair_words_ptr + bh, 0, sem="relaxed", scope="gpu").to(num_blocks.dtype)
     base = (num_blocks - gate) // num_splits
     longer_from = num_splits - (num_blocks - gate) % num_splits
     start = gate + split * base + tl.maximum(split - longer_from, 0)
     end = start + base + (split >= longer_from).to(base.dtype)
-    if DEFERRED or PAIR_GATES:
+    if DEFERRED or PAIR_GATES or ON_DEMAND:
         start = tl.where(split == 0, 0, start)
 
     rows = tl.arange(0, BLOCK_H)
@@ -551,6 +616,8 @@ def art_decode_split_kernel(
         if DEFERRED:
             if not is_leader and start < end:
                 converged = _await_leader(arrivals_ptr + bh, max_gate_polls)
+        released = split * 0
+        num_pairs = tl.num_programs(0)
         go = (step < end) & (converged == 0)
         while go:
             # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
@@ -564,13 +631,22 @@ def art_decode_split_kernel(
             rest = (end - step).to(tl.int32)
             horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0),
                                tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK))
-            if DEFERRED:
+            if DEFERRED or ON_DEMAND:
                 # the leader's chunk also ends at the follow step, where it releases the followers; their first
                 # chunk is short, since a leader released there may stop a few steps later
                 horizon = tl.where(is_leader, tl.where(step < follow_step, tl.minimum(horizon, follow_step - step),
                                                        horizon),
                                    tl.where(step == start, tl.minimum(horizon, RELEASED_FIRST_CHUNK), horizon))
             chunk_end = tl.minimum(step + horizon, end)
+            if ON_DEMAND:
+                # the count of pairs done with their walk alone, read now and used after the chunk: the load's round
+                # trip overlaps the chunk's steps.  One element per thread, reduced over all of them after the chunk,
+                # so that every warp takes the same decision (warps that read the count on either side of an update
+                # would otherwise leave the walk at different chunks, and the program's barriers would not pair up)
+                polled = (is_leader & (released == 0) & (chunk_end >= follow_step)).to(tl.int32)
+                lanes = tl.arange(0, PROGRAM_THREADS)
+                finished_seen = tl.load(pair_words_ptr + num_pairs + lanes * 0, volatile=True,
+                                        mask=lanes < PROGRAM_THREADS * polled, other=0)
             # With several splits every program runs the monitored step (a follower's heads are never done
             # and its monitor is discarded), so that in a walk that does not stop all programs take the same
             # time per block and share the bandwidth evenly.  A single-split launch has no followers: its
@@ -598,7 +674,21 @@ def art_decode_split_kernel(
                 # the leader raises the flag and never reads it (its own done bits decide); followers poll it.
                 # The leader's add precedes its own arrival on the same word, so the last arrival sees it.
                 if is_leader:
-                    if DEFERRED:
+                    if ON_DEMAND:
+                        tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
+                        # past the follow step, with few pairs left walking alone: release the followers over the
+                        # rest of the walk (the leader keeps a share of it)
+                        release = ((group_done == 0) & (released == 0) & (step >= follow_step) & (step < num_blocks)
+                                   & (num_pairs - tl.max(finished_seen, 0) <= pair_limit))
+                        if release:
+                            tl.store(pair_words_ptr + bh, step.to(tl.int32))
+                            tl.debug_barrier()
+                            before = tl.atomic_or(arrivals_ptr + bh, RELEASED, sem="release", scope="gpu")
+                            if (before & GAVE_UP) == 0:
+                                released = split * 0 + 1
+                                end = step + (num_blocks - step) // num_splits
+                                _count_finished(pair_words_ptr + num_pairs, num_pairs)
+                    elif DEFERRED:
                         # converged, or past the follow step without stopping: release the followers (an or, so
                         # that every chunk past it may set the bit again)
                         tl.atomic_or(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, RELEASED), sem="relaxed",
@@ -611,6 +701,11 @@ def art_decode_split_kernel(
                 else:
                     converged = _read_flag(arrivals_ptr + bh)
             go = (step < end) & (group_done == 0) & (converged == 0)
+        if ON_DEMAND:
+            if is_leader and released == 0:
+                # walked alone, to its stop or to the end: its result alone is the pair's
+                tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu")
+                _count_finished(pair_words_ptr + num_pairs, num_pairs)
     else:
         m, l, acc = _dense_walk(q, m, l, acc, start, end, tail, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                 table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt,

@@ -63,6 +63,12 @@ for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
         out = art_decode(q64, kv64[0], kv64[1], art=art, num_splits=splits, block_size=64)
 out = art_decode(q64, kv64[0], kv64[1], art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
                  pair_walks=PairWalks.from_walks(expected[:, :3]), block_size=64)
+# on-demand followers: released from the first chunk (or never), ragged at D = 128 and uniform at D = 64
+for release in (0, 24):
+    out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
+                     num_splits=4, release_walks=release, block_size=64)
+    out = art_decode(q64, kv64[0], kv64[1], art=ARTParams(tau=1e-3, phi=1e-4, patience=2), num_splits=4,
+                     follow_step=3, release_walks=release, block_size=64)
 torch.cuda.synchronize()
 print("memcheck run finished", bool(torch.isfinite(out).all()))
 '

@@ -290,6 +290,50 @@ def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk
     assert torch.equal(steps[..., 0].long(), expected) and torch.equal(out, single)
 
 
+def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_launches):
+    """The interpreter runs the leaders one after another, in pair order, before any follower: leader ``i`` finds
+    ``i`` pairs done with their walk alone, so with ``release_walks = r`` exactly the pairs from ``B * Hkv - r`` on
+    release their followers at the follow step (when they pass it), and the others are the single walk.  Released
+    everywhere, the call is the deferred followers' of that follow step bit for bit; released nowhere, the single
+    walk's.  Every counter is back at zero after each call."""
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps, 8 pairs
+    params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    deferred = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, return_lse=True, return_stats=True)
+    launches = record_decode_launches(forward=True)
+    everywhere = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=8, return_lse=True,
+                            return_stats=True)
+    call = launches.calls[0]
+    assert call.grid == (8, 3) and call.kwargs["ON_DEMAND"] and not call.kwargs["DEFERRED"]
+    assert call.args[launches.kernel.arg_names.index("pair_limit")] == 8
+    assert all(torch.equal(a, b) for a, b in zip(everywhere, deferred))
+    walks = single[2][..., 0]
+    for release_walks in (0, 3):
+        out, lse, steps = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=release_walks,
+                                     return_lse=True, return_stats=True)
+        released = (torch.arange(8).view(4, 2) >= 8 - release_walks) & (walks > 8)
+        # the last three pairs pass the follow step; one of them walks past its leader's share, so its followers walk
+        assert released.sum() == (3 if release_walks else 0) and bool(steps[..., 1:].any()) == bool(release_walks)
+        heads = released.repeat_interleave(4, dim=1)
+        assert torch.equal(out[heads], deferred[0][heads]) and torch.equal(lse[heads], deferred[1][heads])
+        assert torch.equal(steps[released], deferred[2][released])
+        assert torch.equal(out[~heads], single[0][~heads]) and torch.equal(lse[~heads], single[1][~heads])
+        assert torch.equal(steps[~released], torch.stack([walks[~released], *[torch.zeros_like(walks[~released])] * 2],
+                                                         -1))
+        assert not art_decode_module._arrival_counters(CPU, 8).any()
+        assert art_decode_module._release_words(CPU, 8)[-1] == 0, "the count of finished pairs must be back at zero"
+    from kernels.pair_walks import PairWalks
+    for bad, message in (({"release_walks": -1}, "release_walks"),
+                         ({"release_walks": 4, "pair_walks": PairWalks.from_walks(walks)}, "no pair_walks")):
+        with pytest.raises(ValueError, match=message):
+            art_decode(q, k, v, art=params, **bad)
+    with pytest.raises(ValueError, match="needs art"):
+        art_decode(q, k, v, release_walks=4)
+    from kernels.walk_hint import LongestWalkHint
+    with pytest.raises(ValueError, match="cannot record into walk_hint"):
+        art_decode(q, k, v, art=params, num_splits=3, release_walks=4, walk_hint=LongestWalkHint())
+
+
 def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, record_decode_launches):
     """The pairs expected to walk past the threshold run the leader scheme over every split, the others the single
     walk: each pair's output, lse and steps equal those of a uniform call with its plan, bit for bit."""
@@ -309,7 +353,7 @@ def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, 
                                  return_stats=True)
     call = launches.calls[0]
     assert call.grid == (6, 3) and call.kwargs["PAIR_GATES"] and not call.kwargs["DEFERRED"]
-    assert call.args[launches.kernel.arg_names.index("walk_threshold")] == threshold
+    assert call.args[launches.kernel.arg_names.index("pair_limit")] == threshold
     heads = split.repeat_interleave(4, dim=1)
     assert torch.equal(out[heads], leader[0][heads]) and torch.equal(lse[heads], leader[1][heads])
     assert torch.equal(steps[split], leader[2][split])
@@ -916,6 +960,41 @@ def test_gpu_walks_launched_longest_first_give_the_single_walks_results(monkeypa
         for value, reference in zip(got, single):
             assert torch.equal(value, reference)
     assert set(stages) == {3 if batch == 64 else 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, polls_per_step", [(64, None), (128, None), (64, 0)])
+def test_gpu_on_demand_followers_give_each_pair_the_single_walk_or_the_whole_attention(monkeypatch, head_dim,
+                                                                                        polls_per_step):
+    # B = 128 x 8k, 4 splits: the leaders release their followers once at most 132 of them walk alone.  In every call
+    # a pair whose followers walked nothing is the single walk bit for bit (output, lse, steps); a released pair is
+    # the single walk where its leader stopped (its steps the single walk's), else the whole attention (within the
+    # FlashAttention oracle), its programs covering every block.  With no polls every follower gives up at once
+    # unless its leader has released it, and the same holds.  The counters are back at zero after every call.
+    if polls_per_step is not None:
+        monkeypatch.setattr(art_decode_module, "GATE_POLLS_PER_STEP", polls_per_step)
+    q, k, v = synthetic_inputs(128, 32, 8, 8192, head_dim, torch.bfloat16, _cuda(), seed=11)
+    params = ARTConfig().kernel_params()
+    single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    released_pairs = 0
+    for _ in range(5):
+        out, lse, steps = art_decode(q, k, v, art=params, num_splits=4, release_walks=132, return_lse=True,
+                                     return_stats=True)
+        alone = steps[..., 1:].sum(-1) == 0
+        whole = ~alone & (steps[..., 0] != single[2][..., 0])
+        assert torch.equal(steps[..., 0][alone], single[2][..., 0][alone])
+        heads = (~whole).repeat_interleave(4, dim=1)
+        assert torch.equal(out[heads], single[0][heads]) and torch.equal(lse[heads], single[1][heads])
+        assert bool((steps[whole].sum(-1) == 128).all()), "a released walk that does not stop covers every block"
+        b, h = whole.nonzero(as_tuple=True)
+        if b.numel():
+            assert_within_flash_oracle(out.view(128, 8, 4, head_dim)[b, h], q.view(128, 8, 4, head_dim)[b, h],
+                                       k[b, h][:, None], v[b, h][:, None])
+        released_pairs += int((~alone).sum())
+        assert not art_decode_module._arrival_counters(q.device, 1024).any()
+        assert int(art_decode_module._release_words(q.device, 1024)[-1]) == 0
+    # (without polls the followers dispatched before their leader's release give up, so none may walk)
+    assert released_pairs > 0 or polls_per_step == 0, "the case must release some pairs"
 
 
 @pytest.mark.gpu

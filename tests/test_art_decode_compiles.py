@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from art_analysis.termination import ARTConfig
-from kernels.art_decode import art_decode
+from kernels.art_decode import ON_DEMAND_POLL_NS, art_decode
 from kernels.pair_walks import PairWalks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ from kernels.art_decode_kernel import art_decode_split_kernel
 for launch in json.load(sys.stdin):
     source = ASTSource(fn=art_decode_split_kernel, signature=launch["signature"], constexprs=launch["constexprs"])
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
-    print(launch["label"], "SASS bytes", len(compiled.asm["cubin"]), flush=True)
+    print(launch["label"], "SASS bytes", len(compiled.asm["cubin"]), "nanosleep" in compiled.asm["ptx"], flush=True)
 """
 
 
@@ -54,6 +54,8 @@ def _compile_request(label: str, arg_names, call) -> dict:
     """What the subprocess compiles for one recorded launch (``conftest.KernelLaunches``' call)."""
     options = {name: call.kwargs[name] for name in ("num_warps", "num_stages")}
     constexprs = {name: value for name, value in call.kwargs.items() if name not in options}
+    if constexprs.get("ON_DEMAND"):   # recorded on the CPU, which polls without sleeping: compile the GPU's sleep
+        constexprs["POLL_NS"] = ON_DEMAND_POLL_NS
     signature = {name: _argument_type(value) for name, value in zip(arg_names, call.args)}
     signature.update({name: "constexpr" for name in constexprs})
     return {"label": label, "signature": signature, "constexprs": constexprs, "options": options}
@@ -61,7 +63,8 @@ def _compile_request(label: str, arg_names, call) -> dict:
 
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
-# lengths (descriptors made in the kernel or on the host), deferred followers, per-pair splits, the paged layout (one tile per page of 16 tokens, one
+# lengths (descriptors made in the kernel or on the host), deferred and on-demand followers, per-pair splits, the
+# paged layout (one tile per page of 16 tokens, one
 # per block within a page, pointer loads on pages of 8), the dense walk, fp32 and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -80,6 +83,10 @@ CASES = [
      dict(num_splits=5, follow_step=20, ragged=True)),
     ("group 4, per-pair splits, uniform", 32, 8, 128, torch.bfloat16, True, dict(lopsided_walks=True)),
     ("group 3, per-pair splits, ragged, D 64", 9, 3, 64, torch.bfloat16, True, dict(lopsided_walks=True, ragged=True)),
+    ("group 3, on-demand followers, uniform, D 64", 9, 3, 64, torch.bfloat16, True,
+     dict(num_splits=8, follow_step=34, release_walks=132)),
+    ("group 4, on-demand followers, ragged", 32, 8, 128, torch.bfloat16, True,
+     dict(num_splits=4, release_walks=66, ragged=True)),
 ]
 
 
@@ -117,3 +124,6 @@ def test_every_launch_configuration_compiles_for_sm90(record_decode_launches):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     assert done.stdout.count("SASS bytes") == len(CASES), done.stdout
+    # only the on-demand followers sleep between their polls
+    sleeping = [line.split(" SASS")[0] for line in done.stdout.splitlines() if line.endswith("True")]
+    assert sleeping == [case[0] for case in CASES if "release_walks" in case[-1]], done.stdout
