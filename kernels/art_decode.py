@@ -396,8 +396,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             (:func:`choose_follow_step`).  Unused when ``follow_step`` is given or ``art`` is ``None``.
         follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
             wait until the leader has walked that many blocks without stopping (*deferred followers*, module
-            docstring); 0 starts them at once.  Default: :func:`choose_split_plan`'s when ``num_splits`` is not
-            given, else 0.
+            docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
+            release them.  Default: :func:`choose_split_plan`'s when ``num_splits`` is not given, else 0.
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
             default ``longest_stop_steps``, and its latest walk of each pair the default ``pair_walks`` where
             the shapes agree (and neither ``num_splits``, ``follow_step`` nor ``longest_stop_steps`` is given); this

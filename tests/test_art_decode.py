@@ -307,6 +307,9 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
     assert call.grid == (8, 3) and call.kwargs["ON_DEMAND"] and not call.kwargs["DEFERRED"]
     assert call.args[launches.kernel.arg_names.index("pair_limit")] == 8
     assert all(torch.equal(a, b) for a, b in zip(everywhere, deferred))
+    k_pages, v_pages, table = to_paged(k, v, 64, seed=1)                  # the same walks on shuffled pages
+    assert_paged_agrees(art_decode(q, k_pages, v_pages, block_table=table, art=params, num_splits=3, follow_step=8,
+                                   release_walks=8, return_lse=True, return_stats=True), everywhere, 64, 64)
     walks = single[2][..., 0]
     for release_walks in (0, 3):
         out, lse, steps = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=release_walks,
