@@ -498,11 +498,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         check_count(num_splits, "num_splits", 1, MAX_SPLITS)
     if art is None or num_splits == 1 or follow_step is None or pair_threshold is not None:
         follow_step = 0
-    on_demand = release_walks is not None and num_splits > 1
     monitored = art is not None
     # with per-pair splits and on-demand followers, a leader may walk the whole range: the monitor can stop there
-    if art is not None and not leader_can_stop(max_steps, 1 if pair_threshold is not None or on_demand else num_splits,
-                                               art, follow_step):
+    whole_walks = pair_threshold is not None or release_walks is not None
+    if art is not None and not leader_can_stop(max_steps, 1 if whole_walks else num_splits, art, follow_step):
         art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
         follow_step = 0
 
@@ -516,7 +515,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
         arrivals = _arrival_counters(q.device, batch * kv_heads)
-    on_demand = on_demand and art is not None
+    on_demand = release_walks is not None and art is not None and not single
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else steps          # steps: a placeholder pointer, never read
     lengths = steps if seqlens is None else seqlens
@@ -783,41 +782,36 @@ def _capturing(device: torch.device) -> bool:
 
 
 _ARRIVAL_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_RELEASE_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _zero_between_launches(store: dict, device: torch.device, length: int) -> torch.Tensor:
+    """``[length]`` int32 of ``store`` on ``device``, which every launch leaves at zero: allocated zeroed once per
+    device and length and kept for the process.  A first call for a shape inside a CUDA-graph capture gets a buffer
+    of its own, zeroed by a memset node of the graph, and does not cache it (the memset has not run when the capture
+    ends, so eager calls could not use that buffer)."""
+    key = (device, length)
+    words = store.get(key)
+    if words is None:
+        words = torch.zeros(length, dtype=torch.int32, device=device)
+        if not _capturing(device):
+            store[key] = words
+    return words
 
 
 def _arrival_counters(device: torch.device, pairs: int) -> torch.Tensor:
-    """``[pairs]`` int32, zero between launches: per ``(b, kv_head)`` the arrival counter of the multi-split
-    kernel, with the converged flag in its bit ``CONVERGED`` (module docstring, *one launch*).
-
-    Allocated once per device and pair count and kept for the process: every launch leaves
-    them at zero.  A first call for a shape inside a CUDA-graph capture gets a buffer of its
-    own, zeroed by a memset node of the graph, and does not cache it (the memset has not run
-    when the capture ends, so eager calls could not use that buffer).
-    """
-    key = (device, pairs)
-    counters = _ARRIVAL_COUNTERS.get(key)
-    if counters is None:
-        counters = torch.zeros(pairs, dtype=torch.int32, device=device)
-        if not _capturing(device):
-            _ARRIVAL_COUNTERS[key] = counters
-    return counters
-
-
-_RELEASE_WORDS: dict[tuple[torch.device, int], torch.Tensor] = {}
+    """``[pairs]`` int32, zero between launches (:func:`_zero_between_launches`): per ``(b, kv_head)`` the arrival
+    counter of the multi-split kernel, with the converged flag in its bit ``CONVERGED`` (module docstring, *one
+    launch*)."""
+    return _zero_between_launches(_ARRIVAL_COUNTERS, device, pairs)
 
 
 def _release_words(device: torch.device, pairs: int) -> torch.Tensor:
     """``[pairs + 1]`` int32 of the on-demand followers (``release_walks``): each ``(b, kv_head)``'s release step
     (written before its ``RELEASED`` bit, read only after it), then the launch's count of pairs whose leader has
-    released its followers or finished alone, zero between launches (the last to count puts it back).  Kept per
-    device and pair count as :func:`_arrival_counters` is."""
-    key = (device, pairs)
-    words = _RELEASE_WORDS.get(key)
-    if words is None:
-        words = torch.zeros(pairs + 1, dtype=torch.int32, device=device)
-        if not _capturing(device):
-            _RELEASE_WORDS[key] = words
-    return words
+    released its followers or finished alone, zero between launches (the last to count puts it back;
+    :func:`_zero_between_launches`)."""
+    return _zero_between_launches(_RELEASE_WORDS, device, pairs + 1)
 
 
 def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_size: int, *, uniform: bool,

@@ -64,8 +64,8 @@ def _compile_request(label: str, arg_names, call) -> dict:
 # (label, q_heads, kv_heads, head_dim, dtype, art, call keywords): the monitor's row selection (groups of at most
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
 # lengths (descriptors made in the kernel or on the host), deferred and on-demand followers, per-pair splits, the
-# paged layout (one tile per page of 16 tokens, one
-# per block within a page, pointer loads on pages of 8), the dense walk, fp32 and the smaller blocks.
+# paged layout (one tile per page of 16 tokens, one per block within a page, pointer loads on pages of 8), the dense
+# walk, fp32 and the smaller blocks.
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
     ("group 12, one split, uniform", 24, 2, 128, torch.bfloat16, True, dict(num_splits=1)),
