@@ -254,7 +254,8 @@ slower with them).  All three ways of loading give bit-identical results.
 page-table entry per step; blocks of at most ``TMA_MAX_BLOCK`` tokens then read its slots through
 descriptors of the page pool made on the host (one bulk copy per tile; slots past the length are read too,
 and zeroed in V so that whatever a page holds there cannot reach the output: only in the block that holds the
-last token, which the walks run apart from their loops, V30, V32), larger ones through pointer
+last token, which the walks run apart from their loops, V30, V32; the loops' steps, whole blocks, take no token
+mask, V48), larger ones through pointer
 loads of consecutive slots.  A block of whole pages of at least ``MIN_SUBPAGE`` (16) tokens takes one
 descriptor copy per page (``"subpage_descriptors"``): the step's scores are one dot per page's tile, the
 block's maximum and ``sum p`` are taken over the tiles elementwise and then along the rows, and ``P V`` chains

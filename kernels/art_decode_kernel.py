@@ -137,11 +137,14 @@ def _load_tile(src, rows, valid, lead, first_row, kv_head,
 
 @triton.jit
 def _tail_step(seqlen, num_blocks, BLOCK_N: tl.constexpr, SINK_RECENCY: tl.constexpr):
-    """The traversal step of the block that holds the last token when the length ends inside it, else -1.  Page
-    descriptors read a page's slots past the length, which may hold anything: their scores are -inf, but p = 0
-    times a NaN would still reach the output, so that step zeroes them in V (``_step_tiles``' ``ZERO_TAIL``).
-    The walks run it apart from their loops (``_dense_walk``, the monitored chunks): a select inside a loop takes
-    every step's V tile from shared memory to registers and back, whichever branch it takes."""
+    """The traversal step of the block that holds the last token when the length ends inside it, else -1: the one
+    block with tokens past the length.  Page descriptors read a page's slots past the length, which may hold
+    anything: their scores are -inf, but p = 0 times a NaN would still reach the output, so that step zeroes them in
+    V.  On the page layouts read through descriptors (``PEEL_TAIL`` of ``_dense_walk``, ``_monitored_walk``) the walks
+    run it apart from their loops as their one ``MASKED`` step (``_step_tiles``), and the loops' steps, whole blocks,
+    take no mask: a select inside a loop takes every step's V tile from shared memory to registers and back, whichever
+    branch it takes (``benchmarks/NOTES-art-decode.md``, V32), and the score mask costs a step 64 to 100 instructions
+    (V48).  The contiguous layout masks every step: there the unmasked loop measured slower on the H200 (V48)."""
     if SINK_RECENCY:
         step = tl.where(num_blocks == 1, 0, 1)
     else:
@@ -152,12 +155,13 @@ def _tail_step(seqlen, num_blocks, BLOCK_N: tl.constexpr, SINK_RECENCY: tl.const
 @triton.jit
 def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr,
-                   ZERO_TAIL: tl.constexpr):
+                   MASKED: tl.constexpr):
     """The block of traversal step ``step`` on pages smaller than it (``BLOCK_N`` a multiple of ``PAGE_SIZE``):
     tuples of its ``BLOCK_N // PAGE_SIZE`` pages' token validity ``[PAGE_SIZE]`` and K and V tiles
     ``[PAGE_SIZE, D]``, each tile one bulk copy through a descriptor of the page pool.  A page wholly past the
     length is not looked up in the table (its entry may not exist): page 0 is read in its place, and in the block
-    that holds the length (``ZERO_TAIL``) every row of V past it is zeroed, whatever page it came from."""
+    that holds the length (``MASKED``, the one step with such pages) every row of V past it is zeroed, whatever page
+    it came from; in any other step every page is looked up unmasked."""
     first = _step_block(step, num_blocks, SINK_RECENCY).to(tl.int64) * BLOCK_N
     entries = table_ptr + b.to(tl.int64) * stride_table_b + first // PAGE_SIZE
     valids = ()
@@ -165,11 +169,14 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
     vs = ()
     for i in tl.static_range(BLOCK_N // PAGE_SIZE):
         page_first = first + i * PAGE_SIZE
-        page = tl.load(entries + i, mask=page_first < seqlen, other=0).to(tl.int32)
+        if MASKED:
+            page = tl.load(entries + i, mask=page_first < seqlen, other=0).to(tl.int32)
+        else:
+            page = tl.load(entries + i).to(tl.int32)
         valid = page_first + tl.arange(0, PAGE_SIZE) < seqlen
         k = k_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
         v = v_src.load([page, 0, kv_head, 0]).reshape(PAGE_SIZE, HEAD_DIM)
-        if ZERO_TAIL:
+        if MASKED:
             v = tl.where(valid[:, None], v, 0.0)
         valids = valids + (valid,)
         ks = ks + (k,)
@@ -181,24 +188,26 @@ def _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr
 def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b, PAGE_SIZE: tl.constexpr,
                 stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
-                LOADS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                LOADS: tl.constexpr, MASKED: tl.constexpr):
     """Token validity and the K and V tiles of traversal step ``step``, as tuples of one ``[BLOCK_N]`` mask and
     ``[BLOCK_N, D]`` tiles, or, with ``LOADS == "subpage_descriptors"``, of each page's (``_subpage_tiles``); all
     taken before the step's scores (``k_src``, ``v_src``: tensor descriptors, one bulk copy per tile with rows
-    past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says; page
-    descriptors read a page's slots past it, zeroed in V when ``ZERO_TAIL``: ``_tail_step``).
+    past the length read as zeros, or base pointers with invalid tokens masked to zeros, as ``LOADS`` says).
+    ``MASKED``: the step may hold tokens past the length (``_tail_step``): their scores are -inf, and page
+    descriptors' slots past the length are zeroed in V; a step that is not ``MASKED`` must hold a whole block, and
+    its scores and page lookups take no mask (only walks read through page descriptors have such steps).
     Taking V here rather than after the softmax keeps the 64-dim multi-split build's MMAs interleaved
     (``benchmarks/NOTES-art-decode.md``, V14)."""
     if LOADS == "subpage_descriptors":
         valids, ks, vs = _subpage_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
-                                        PAGE_SIZE, BLOCK_N, HEAD_DIM, SINK_RECENCY, ZERO_TAIL)
+                                        PAGE_SIZE, BLOCK_N, HEAD_DIM, SINK_RECENCY, MASKED)
     else:
         valid, k_rows, v_rows, lead, first_row = _block_rows(
             step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
             stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
         k = _load_tile(k_src, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
         v = _load_tile(v_src, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, LOADS)
-        if ZERO_TAIL:
+        if MASKED and LOADS == "page_descriptors":
             v = tl.where(valid[:, None], v, 0.0)
         valids = (valid,)
         ks = (k,)
@@ -207,9 +216,10 @@ def _step_tiles(step, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, s
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.constexpr):
+def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over the loaded tiles (``_step_tiles``' tuples ``ks``, ``vs`` of
-    ``[N, D]`` tiles, and ``valids`` of ``[N]`` masks, false for invalid tokens): returns the new
+    ``[N, D]`` tiles, and ``valids`` of ``[N]`` masks, false for invalid tokens, applied in a ``MASKED`` step only):
+    returns the new
     ``m [BLOCK_H]``, ``l [BLOCK_H]``, ``acc [BLOCK_H, D]``.  ``m`` is the running maximum of the unscaled scores
     ``q k^T`` and ``score_log2`` is ``sm_scale * log2(e)``: ``exp(sm_scale * (s - m))`` is evaluated as
     ``exp2(s * score_log2 - m * score_log2)``, one FMA and the hardware's ``ex2`` per score.  Several tiles
@@ -219,7 +229,9 @@ def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.co
     scores = ()
     for i in tl.static_range(len(ks)):
         s = tl.dot(q, tl.trans(ks[i]), input_precision=DOT_PRECISION)
-        scores = scores + (tl.where(valids[i][None, :], s, float("-inf")),)
+        if MASKED:
+            s = tl.where(valids[i][None, :], s, float("-inf"))
+        scores = scores + (s,)
     score_max = scores[0]
     for i in tl.static_range(1, len(ks)):
         score_max = tl.maximum(score_max, scores[i])
@@ -242,13 +254,13 @@ def _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION: tl.co
 def _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                  PAGE_SIZE: tl.constexpr, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, MASKED: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor (software-pipelined loads)."""
     for t in tl.range(first, last):
         valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                                      PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, ZERO_TAIL)
-        m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, MASKED)
+        m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION, MASKED)
     return m, l, acc
 
 
@@ -258,15 +270,13 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                 stride_vt, score_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr,
                 PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PEEL_TAIL: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor.  With ``PEEL_TAIL`` the step ``tail``
-    (``_tail_step``), when in the range, runs between two loops, with V's rows past the length zeroed."""
-    cut = last
+    (``_tail_step``), when in the range, runs between two loops, the one ``MASKED`` step; without, every step is."""
     if PEEL_TAIL:
         cut = tl.where((tail >= first) & (tail < last), tail, last)
-    m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                             stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                             stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-                             False)
-    if PEEL_TAIL:
+        m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                                 False)
         if cut < last:
             m, l, acc = _dense_steps(q, m, l, acc, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
@@ -276,6 +286,11 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
                                      stride_vh, stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED,
                                      DOT_PRECISION, LOADS, False)
+    else:
+        m, l, acc = _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                                 True)
     return m, l, acc
 
 
@@ -355,14 +370,14 @@ def _monitored_steps(q, m, l, acc, norm, count, done, first, last, num_blocks, b
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SINK_RECENCY: tl.constexpr, PAGED: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
                      PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
-                     USE_DIRECTION: tl.constexpr, PROBE_ROWS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                     USE_DIRECTION: tl.constexpr, PROBE_ROWS: tl.constexpr, MASKED: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax, the monitor (``_probe_update``) after each (software-pipelined
     loads): returns ``m``, ``l``, ``acc`` and the monitor's ``norm``, ``count``, ``done``."""
     for t in tl.range(first, last):
         valids, ks, vs = _step_tiles(t, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr, stride_table_b,
                                      PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
-                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, ZERO_TAIL)
-        m_new, l_new, acc_new = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION)
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, LOADS, MASKED)
+        m_new, l_new, acc_new = _attend_block(q, m, l, acc, ks, vs, valids, score_log2, DOT_PRECISION, MASKED)
         norm, count, done = _probe_update(
             _leading_rows(acc, PROBE_ROWS), _leading_rows(l, PROBE_ROWS), _leading_rows(acc_new, PROBE_ROWS),
             _leading_rows(l_new, PROBE_ROWS), norm, count, done, t, first_counted, tau, phi, patience,
@@ -380,17 +395,15 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
                     PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
                     USE_DIRECTION: tl.constexpr, PROBE_ROWS: tl.constexpr, PEEL_TAIL: tl.constexpr):
     """Steps ``[first, last)`` with the monitor (``_monitored_steps``), as ``_dense_walk`` runs them without: with
-    ``PEEL_TAIL`` the step ``tail`` (``_tail_step``), when in the range, runs between two loops, with V's rows past
-    the length zeroed."""
-    cut = last
+    ``PEEL_TAIL`` the step ``tail`` (``_tail_step``), when in the range, runs between two loops, the one ``MASKED``
+    step; without, every step is."""
     if PEEL_TAIL:
         cut = tl.where((tail >= first) & (tail < last), tail, last)
-    m, l, acc, norm, count, done = _monitored_steps(
-        q, m, l, acc, norm, count, done, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-        stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
-        first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-        PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
-    if PEEL_TAIL:
+        m, l, acc, norm, count, done = _monitored_steps(
+            q, m, l, acc, norm, count, done, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+            stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+            first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION,
+            LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
         if cut < last:
             m, l, acc, norm, count, done = _monitored_steps(
                 q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
@@ -404,6 +417,12 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
                 stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
                 SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
                 USE_DIRECTION, PROBE_ROWS, False)
+    else:
+        m, l, acc, norm, count, done = _monitored_steps(
+            q, m, l, acc, norm, count, done, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+            stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+            first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION,
+            LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, True)
     return m, l, acc, norm, count, done
 
 
@@ -516,8 +535,9 @@ def art_decode_split_kernel(
     ``[num_pages, page_size, Hkv, D]`` descriptors made by the launcher, one bulk copy of a block's slots) or
     ``"subpage_descriptors"`` (blocks of whole pages of at least 16 tokens: the same descriptors, one bulk copy
     per page, ``_subpage_tiles``).
-    Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V, in the
-    step that holds the length, which the walks run apart from their loops (``_tail_step``).  ``PAGE_SIZE``: tokens
+    Contiguous descriptor rows past the length read as zeros; a page's slots past it are read and zeroed in V.  The
+    step that holds the length is the only one that masks, and the walks run it apart from their loops
+    (``_tail_step``).  ``PAGE_SIZE``: tokens
     per page of the paged layout (1 for the contiguous one); a block within one page (``PAGE_SIZE`` a multiple
     of ``BLOCK_N``) takes one page-table entry per step, a block of whole pages read through descriptors one
     entry per page, else each token's row is gathered through its own.  ``PROBE_ROWS``: the
