@@ -695,7 +695,10 @@ def art_decode_split_kernel(
                 # The leader's add precedes its own arrival on the same word, so the last arrival sees it.
                 if is_leader:
                     if ON_DEMAND:
-                        tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=group_done != 0)
+                        # a released leader that stops raises the flag here; one that walks alone raises it after
+                        # the walk, stopped or not
+                        tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu",
+                                     mask=(group_done != 0) & (released != 0))
                         # past the follow step, with few pairs left walking alone: release the followers over the
                         # rest of the walk (the leader keeps a share of it)
                         release = ((group_done == 0) & (released == 0) & (step >= follow_step) & (step < num_blocks)
