@@ -161,7 +161,11 @@ SmolLM2 layer, B = 128     default         on demand (splits, R)       never sto
 Told each walk instead, the per-pair splits take 0.120 / 0.157 / 0.251 ms.  The never-stopping overhead is not
 the polls (1 us sleeps or none: the same within 0.5 %).  On the synthetic caches at ``D = 128`` (B = 32 to 128 x 8k,
 128 x 32k) every setting was 5-60 % slower than the default, whose single walks end about together (B = 32 x 8k:
-0.171 ms at 2 splits against 0.108), so the default plan does not take it.
+0.171 ms at 2 splits against 0.108), so the default plan does not take it.  :func:`on_demand_plan` gives the
+keywords of a plan for a walk's length (V48: a split per 32 blocks, at most 8 released programs per multiprocessor;
+over the SmolLM2 layer's 8 decode steps at B = 128, on-demand followers took 0.68x / 0.28x of the dense loop at
+8k / 32k with 8 / 264 and 16 / 66 splits / R, against 0.76x / 0.40x by default and 0.91x / 0.37x told the previous
+step's walks).
 
 **Launch order** (``benchmarks/NOTES-art-decode.md``, V45).  A call told each walk (``pair_walks``, or a
 ``walk_hint`` that carries them) dispatches its programs by expected walk, longest first
@@ -355,6 +359,9 @@ MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's
 ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
 ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between polls of its leader's word
+ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
+ON_DEMAND_SPLITS = (4, 32)        # ... within these bounds
+ON_DEMAND_RELEASED_PER_SM = 8     # ... and at most this many released programs per multiprocessor
 # blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
@@ -628,6 +635,24 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, device, longest):
         return 0
     return longest
+
+
+def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict:
+    """``art_decode`` keywords of on-demand followers (``num_splits``, ``follow_step``, ``release_walks``) for walks
+    of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within ``ON_DEMAND_SPLITS``; the
+    followers released once the leaders still walking alone are so few that their programs, ``num_splits`` each,
+    number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor; and released no earlier than the step
+    :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest stops).  Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k /
+    32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 / 33 on 132 multiprocessors), it took the fastest of 7 plans at
+    16k and one within 4.4 % of the fastest at 64k (``benchmarks/NOTES-art-decode.md``, V47, V48).  Usage:
+    ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
+    check_count(max_steps, "max_steps", 1, unit="blocks")
+    if not isinstance(art, ARTParams):
+        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
+    low, high = ON_DEMAND_SPLITS
+    num_splits = min(max(max_steps // ON_DEMAND_BLOCKS_PER_SPLIT, low), high)
+    return {"num_splits": num_splits, "follow_step": ART_STOP_MARGIN * earliest_stop_steps(art),
+            "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits}
 
 
 def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,

@@ -5,7 +5,7 @@ the longest walk of an earlier call on the *same* inputs.  A decode loop has onl
 benchmark replays a captured layer's decode steps in order (:func:`kernels.bench.tiled_capture` with ``step``:
 batch row ``b`` walks captured sequence ``b % B0`` tiled to the length, with that sequence's query of the step; the
 cache is the same ``seqlen`` tokens at every step, where the model's step ``t`` attended to ``C + t + 1``, so at
-``seqlen = C`` the step's newest ``t + 1`` tokens are left out) and times, at every step, four calls on the same
+``seqlen = C`` the step's newest ``t + 1`` tokens are left out) and times, at every step, five calls on the same
 inputs:
 
 * ``art_dense``: ``art=None`` at its defaults;
@@ -13,7 +13,9 @@ inputs:
 * ``art_previous_step``: ``pair_walks`` (each pair's walk, and with it the longest) from a
   :class:`kernels.walk_hint.LongestWalkHint` that recorded the previous step's ``art_previous_step`` call (none at
   the first step): what a decode loop gets;
-* ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do).
+* ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do);
+* ``art_on_demand``: on-demand followers at :func:`kernels.art_decode.on_demand_plan`'s plan for the length (no hint:
+  each leader releases its followers once few walks of the launch are left).
 
 Each row keeps the step's split count, per-pair split threshold and loaded fraction; the summary per loop adds the
 steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import platform
 from pathlib import Path
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import art_decode
+from .art_decode import ART_BLOCK_SIZE, art_decode, on_demand_plan
 from .art_params import ARTParams
 from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture,
                     time_interleaved)
@@ -44,7 +47,7 @@ from .results_io import input_file_record, write_json_atomic
 from .walk_hint import LongestWalkHint
 
 LOOP_CASES = ((32, 8192), (32, 32768), (128, 32768))   # (batch, seqlen)
-IMPLS = ("art_dense", "art", "art_previous_step", "art_calibrated")
+IMPLS = ("art_dense", "art", "art_previous_step", "art_calibrated", "art_on_demand")
 
 
 def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTParams, rep_ms: int,
@@ -53,8 +56,10 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
     ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits) and ``loaded_fraction``
     (ART rows), and ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, as lists, or None) with their longest,
-    ``longest_stop_steps``."""
+    ``longest_stop_steps``; the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks`` and
+    ``loaded_fraction``."""
     hint = LongestWalkHint()
+    on_demand = on_demand_plan(math.ceil(seqlen / ART_BLOCK_SIZE), device, art)
     rows = []
     for step in range(decode_query_shape(path)[2]):
         q, k, v = tiled_capture(path, batch, seqlen, device, step=step)
@@ -64,6 +69,7 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
         calls = {"art_dense": lambda: art_decode(q, k, v)}
         calls.update({impl: (lambda given=given: art_decode(q, k, v, art=art, pair_walks=given))
                       for impl, given in hints.items()})
+        calls["art_on_demand"] = lambda: art_decode(q, k, v, art=art, **on_demand)
         timings = time_interleaved(calls, rep_ms, rounds, device)
         for impl in IMPLS:
             row = {"step": step, "impl": impl, **timings[impl]}
@@ -78,14 +84,18 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                            follow_step=default_follow_step(q, k, art, longest),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
+            elif impl == "art_on_demand":
+                _, steps = art_decode(q, k, v, art=art, return_stats=True, **on_demand)
+                row.update(on_demand, loaded_fraction=loaded_fraction(steps, seqlen))
             rows.append(row)
     return rows
 
 
 def loop_summary(rows: list[dict]) -> dict:
     """Per implementation, the sum of its steps' ``ms`` (``total_ms``), each ART total over ``art_dense``'s
-    (``default_over_dense``, ``previous_step_over_dense``, ``calibrated_over_dense``), and the steps whose
-    previous-step hint took the calibrated split count (``previous_step_same_splits`` of ``steps``)."""
+    (``default_over_dense``, ``previous_step_over_dense``, ``calibrated_over_dense``, ``on_demand_over_dense``), and
+    the steps whose previous-step hint took the calibrated split count (``previous_step_same_splits`` of
+    ``steps``)."""
     totals = {impl: sum(r["ms"] for r in rows if r["impl"] == impl) for impl in IMPLS}
     splits = {(r["step"], r["impl"]): r["num_splits"] for r in rows if "num_splits" in r}
     steps = sorted({r["step"] for r in rows})
@@ -93,6 +103,7 @@ def loop_summary(rows: list[dict]) -> dict:
             "default_over_dense": totals["art"] / totals["art_dense"],
             "previous_step_over_dense": totals["art_previous_step"] / totals["art_dense"],
             "calibrated_over_dense": totals["art_calibrated"] / totals["art_dense"],
+            "on_demand_over_dense": totals["art_on_demand"] / totals["art_dense"],
             "previous_step_same_splits": sum(splits[(s, "art_previous_step")] == splits[(s, "art_calibrated")]
                                              for s in steps),
             "steps": len(steps)}

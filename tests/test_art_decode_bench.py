@@ -55,6 +55,23 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(mon
     assert plan(8, 8, 512, longest=600, art=None) == (8, 0)         # dense: unused
 
 
+def test_on_demand_plan_splits_by_length_and_releases_a_few_programs_per_multiprocessor(monkeypatch):
+    from kernels.art_decode import on_demand_plan
+
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    monitor = ARTParams()                                           # earliest stop 17 steps: follow step 34
+    # the best plans measured on the SmolLM2 layer at B = 128 (V47) and the two lengths checked after (V48)
+    for blocks, splits, release in ((128, 4, 264), (256, 8, 132), (512, 16, 66), (1024, 32, 33), (2048, 32, 33)):
+        assert on_demand_plan(blocks, None, monitor) == {"num_splits": splits, "follow_step": 34,
+                                                         "release_walks": release}
+    assert on_demand_plan(40, None, monitor)["num_splits"] == 4     # at least 4 splits
+    assert on_demand_plan(1024, None, ARTParams(patience=40, min_steps=9))["follow_step"] == 98
+    with pytest.raises(ValueError, match="max_steps"):
+        on_demand_plan(0, None, monitor)
+    with pytest.raises(TypeError, match="ARTParams"):
+        on_demand_plan(128, None, None)
+
+
 def test_the_monitor_runs_only_where_the_leaders_range_reaches_the_earliest_stop():
     monitor = ARTParams()                                                        # earliest stop: 17 steps
     assert leader_can_stop(17, 1, monitor) and not leader_can_stop(16, 1, monitor)
@@ -525,10 +542,12 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     rows = loop.decode_loop(path, 4, 2048, art=art, rep_ms=1, device=cpu, rounds=2)
     assert [(r["step"], r["impl"]) for r in rows] == [(s, impl) for s in range(3) for impl in loop.IMPLS]
     by_key = {(r["step"], r["impl"]): r for r in rows}
-    # each step's four calls are timed in two interleaved rounds: 4 graph times, then 4 more
+    # each step's five calls are timed in two interleaved rounds: 5 graph times, then 5 more
+    calls = len(loop.IMPLS)
+    assert calls == 5
     for step in range(3):
         for i, impl in enumerate(loop.IMPLS):
-            assert by_key[(step, impl)]["ms_rounds"] == [8.0 * step + 1 + i, 8.0 * step + 5 + i]
+            assert by_key[(step, impl)]["ms_rounds"] == [2.0 * calls * step + 1 + i, 2.0 * calls * step + calls + 1 + i]
     assert by_key[(0, "art_previous_step")]["longest_stop_steps"] is None
     assert by_key[(0, "art_previous_step")]["pair_walks"] is None
     for step in range(3):
@@ -541,6 +560,12 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
         _, steps = bench.art_decode(q, k, v, art=art, pair_walks=given, return_stats=True)
         assert by_key[(step, "art_previous_step")]["num_splits"] == steps.shape[-1]
         assert by_key[(step, "art_previous_step")]["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
+        # on-demand followers at the length's plan (one multiprocessor here: 2 pairs released at 4 splits)
+        plan = by_key[(step, "art_on_demand")]
+        assert {key: plan[key] for key in ("num_splits", "follow_step", "release_walks")} == {
+            "num_splits": 4, "follow_step": 6, "release_walks": 2}
+        _, steps = bench.art_decode(q, k, v, art=art, num_splits=4, follow_step=6, release_walks=2, return_stats=True)
+        assert plan["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
         if step < 2:   # the next step is told this step's walks
             assert by_key[(step + 1, "art_previous_step")]["pair_walks"] == pair_walk_lengths(steps).tolist()
             assert by_key[(step + 1, "art_previous_step")]["longest_stop_steps"] == int(longest_walk(steps))
@@ -549,6 +574,7 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     assert summary["total_ms"]["art_dense"] == sum(by_key[(s, "art_dense")]["ms"] for s in range(3))
     assert summary["previous_step_over_dense"] == summary["total_ms"]["art_previous_step"] / summary["total_ms"][
         "art_dense"]
+    assert summary["on_demand_over_dense"] == summary["total_ms"]["art_on_demand"] / summary["total_ms"]["art_dense"]
     assert summary["previous_step_same_splits"] == sum(
         by_key[(s, "art_previous_step")]["num_splits"] == by_key[(s, "art_calibrated")]["num_splits"]
         for s in range(3)) and summary["steps"] == 3

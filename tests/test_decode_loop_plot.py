@@ -13,8 +13,9 @@ def _payload() -> dict:
                  {"step": step, "impl": "art", "ms": 3.0 + step, "num_splits": 1},
                  {"step": step, "impl": "art_previous_step", "ms": 4.0 if step == 0 else 1.5,
                   "num_splits": 1 if step == 0 else 5},
-                 {"step": step, "impl": "art_calibrated", "ms": 1.5, "num_splits": 5}]
-    summary = {"previous_step_over_dense": 7.0 / 6.0, "default_over_dense": 12.0 / 6.0}
+                 {"step": step, "impl": "art_calibrated", "ms": 1.5, "num_splits": 5},
+                 {"step": step, "impl": "art_on_demand", "ms": 1.8, "num_splits": 8}]
+    summary = {"previous_step_over_dense": 7.0 / 6.0, "default_over_dense": 12.0 / 6.0, "on_demand_over_dense": 0.9}
     return {"device": "GPU", "capture": "layer_015.safetensors", "batch": 32, "date": "2026-12-02T00:00:00",
             "loops": [{"seqlen": 8192, "rows": rows, "summary": summary},
                       {"seqlen": 32768, "rows": rows[:4], "summary": summary}]}
@@ -31,7 +32,9 @@ def test_figure_draws_each_implementation_per_step_and_marks_split_counts_off_th
     # the default's three steps and the hint's first step took 1 split where the calibrated call took 5
     assert sorted(text.get_text() for text in first.texts) == ["1 split"] * 4
     assert len(second.lines[0].get_xdata()) == 1
-    assert "1.17x dense with the hint, 2.00x without" in first.get_title()
+    # a run without on-demand rows (before V48) draws no line for them
+    assert labels["art_on_demand"] not in {line.get_label() for line in second.lines}
+    assert "1.17x dense with the hint, 2.00x without, 0.90x on demand" in first.get_title()
     assert first.get_title().startswith("B = 32, 8k tokens")
 
 

@@ -1,5 +1,5 @@
 """`art-analysis bench`: GPU speed benchmarks (decode: the ART kernel vs dense peers; decode-loop: ART over a captured
-layer's decode steps, each told the previous step's longest walk; FlexPrefill)."""
+layer's decode steps, each told the previous step's walks, and with on-demand followers; FlexPrefill)."""
 from __future__ import annotations
 
 import argparse

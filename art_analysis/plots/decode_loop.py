@@ -16,12 +16,14 @@ STYLES = {
     "art": dict(color="tab:orange", marker="s", label="ART, default split rule"),
     "art_previous_step": dict(color="tab:green", marker="D", label="ART, told the previous step's {walks}"),
     "art_calibrated": dict(color="tab:gray", marker="x", linestyle=":", label="ART, told this step's {walks}"),
+    "art_on_demand": dict(color="tab:purple", marker="o", label="ART, on-demand followers"),
 }
 
 
 def decode_loop_figure(payload: dict):
     """One panel per loop (``payload["loops"]``: ``batch`` (else the payload's), ``seqlen``, ``rows`` of ``step``,
-    ``impl``, ``ms`` and, for ART, ``num_splits``): milliseconds per decode step, one line per implementation, each
+    ``impl``, ``ms`` and, for ART, ``num_splits``): milliseconds per decode step, one line per implementation timed
+    (``STYLES``), each
     ART point labelled with its split count where it differs from the step's calibrated one.  The hinted rows were
     told each pair's walk where they record ``pair_walks`` (else, in runs before V44, the longest walk)."""
     loops = payload["loops"]
@@ -32,6 +34,8 @@ def decode_loop_figure(payload: dict):
         calibrated = {r["step"]: r.get("num_splits") for r in rows if r["impl"] == "art_calibrated"}
         for impl, style in STYLES.items():
             mine = sorted((r for r in rows if r["impl"] == impl and "ms" in r), key=lambda r: r["step"])
+            if not mine:   # runs before V48 time no on-demand followers
+                continue
             ax.plot([r["step"] for r in mine], [r["ms"] for r in mine], **{**style, "label": style["label"].format(
                 walks=told)})
             if impl in ("art", "art_previous_step"):
@@ -45,6 +49,8 @@ def decode_loop_figure(payload: dict):
         if "previous_step_over_dense" in summary:
             title += (f": loop {summary['previous_step_over_dense']:.2f}x dense with the hint, "
                       f"{summary['default_over_dense']:.2f}x without")
+        if "on_demand_over_dense" in summary:
+            title += f", {summary['on_demand_over_dense']:.2f}x on demand"
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("decode step")
         ax.set_ylabel("ms per call (CUDA-graph median)")
