@@ -395,7 +395,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
             ``DENSE_BLOCK_SIZE`` (128), or ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold
             128-token blocks whole (:func:`dense_block_size`).
-        num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`.
+        num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`, or with ``release_walks``
+            :func:`on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
             ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
@@ -405,7 +406,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
             wait until the leader has walked that many blocks without stopping (*deferred followers*, module
             docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
-            release them.  Default: :func:`choose_split_plan`'s when ``num_splits`` is not given, else 0.
+            release them.  Default: :func:`choose_split_plan`'s (with ``release_walks``, :func:`on_demand_plan`'s)
+            when ``num_splits`` is not given, else 0.
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
             default ``longest_stop_steps``, and its latest walk of each pair the default ``pair_walks`` where
             the shapes agree (and neither ``num_splits``, ``follow_step`` nor ``longest_stop_steps`` is given); this
@@ -417,8 +419,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
             each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
             its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
-            whose leader stops first, or walks to its end, is the single walk.  Not with ``pair_walks`` or
-            ``walk_hint``.
+            whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
+            count and follow step of :func:`on_demand_plan`, which also suggests this count.  Not with
+            ``pair_walks`` or ``walk_hint``.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -494,7 +497,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         if longest_stop_steps is None:
             longest_stop_steps = pair_walks.sorted_walks[-1]
     pair_threshold = None
-    if num_splits is None:
+    if num_splits is None and release_walks is not None:
+        on_demand_keywords = on_demand_plan(max_steps, q.device, art)
+        num_splits = on_demand_keywords["num_splits"]
+        follow_step = on_demand_keywords["follow_step"] if follow_step is None else follow_step
+    elif num_splits is None:
         num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
                                                             head_dim, longest_stop_steps=longest_stop_steps)
         follow_step = planned_follow_step if follow_step is None else follow_step

@@ -325,6 +325,11 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
                                                          -1))
         assert not art_decode_module._arrival_counters(CPU, 8).any()
         assert art_decode_module._release_words(CPU, 8)[-1] == 0, "the count of finished pairs must be back at zero"
+    # without num_splits, on_demand_plan's split count and follow step (24 blocks: 4 splits; released from step 8)
+    art_decode(q, k, v, art=params, release_walks=3)
+    call = launches.calls[-1]
+    assert call.grid == (8, 4) and call.kwargs["ON_DEMAND"]
+    assert call.args[launches.kernel.arg_names.index("follow_step")] == 8
     from kernels.pair_walks import PairWalks
     for bad, message in (({"release_walks": -1}, "release_walks"),
                          ({"release_walks": 4, "pair_walks": PairWalks.from_walks(walks)}, "no pair_walks")):
