@@ -649,9 +649,10 @@ def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict
     of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within ``ON_DEMAND_SPLITS``; the
     followers released once the leaders still walking alone are so few that their programs, ``num_splits`` each,
     number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor; and released no earlier than the step
-    :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest stops).  Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k /
-    32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 / 33 on 132 multiprocessors), it took the fastest of 7 plans at
-    16k and one within 4.4 % of the fastest at 64k (``benchmarks/NOTES-art-decode.md``, V47, V48).  Usage:
+    :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest stops).
+    Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k / 32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 /
+    33 on 132 multiprocessors), it took the fastest of 7 plans at 16k and one within 4.4 % of the fastest at 64k
+    (``benchmarks/NOTES-art-decode.md``, V47, V48).  Usage:
     ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
     check_count(max_steps, "max_steps", 1, unit="blocks")
     if not isinstance(art, ARTParams):

@@ -143,8 +143,9 @@ def _tail_step(seqlen, num_blocks, BLOCK_N: tl.constexpr, SINK_RECENCY: tl.const
     V.  On the page layouts read through descriptors (``PEEL_TAIL`` of ``_dense_walk``, ``_monitored_walk``) the walks
     run it apart from their loops as their one ``MASKED`` step (``_step_tiles``), and the loops' steps, whole blocks,
     take no mask: a select inside a loop takes every step's V tile from shared memory to registers and back, whichever
-    branch it takes (``benchmarks/NOTES-art-decode.md``, V32), and the score mask costs a step 64 to 100 instructions
-    (V48).  The contiguous layout masks every step: there the unmasked loop measured slower on the H200 (V48)."""
+    branch it takes (``benchmarks/NOTES-art-decode.md``, V32), and the score mask costs a contiguous step 54 to 102
+    instructions (V48).  The contiguous layout masks every step: there the unmasked loop measured slower on the H200
+    (V48)."""
     if SINK_RECENCY:
         step = tl.where(num_blocks == 1, 0, 1)
     else:
