@@ -272,12 +272,14 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                 PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, PEEL_TAIL: tl.constexpr):
     """Steps ``[first, last)`` of the online softmax without a monitor.  With ``PEEL_TAIL`` the step ``tail``
     (``_tail_step``), when in the range, runs between two loops, the one ``MASKED`` step; without, every step is."""
+    cut = last
     if PEEL_TAIL:
         cut = tl.where((tail >= first) & (tail < last), tail, last)
-        m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-                                 False)
+    m, l, acc = _dense_steps(q, m, l, acc, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+                             stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
+                             stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+                             not PEEL_TAIL)
+    if PEEL_TAIL:
         if cut < last:
             m, l, acc = _dense_steps(q, m, l, acc, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
@@ -287,11 +289,6 @@ def _dense_walk(q, m, l, acc, first, last, tail, num_blocks, b, kv_head, seqlen,
                                      table_ptr, stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0,
                                      stride_vh, stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED,
                                      DOT_PRECISION, LOADS, False)
-    else:
-        m, l, acc = _dense_steps(q, m, l, acc, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-                                 stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh,
-                                 stride_vt, score_log2, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
-                                 True)
     return m, l, acc
 
 
@@ -398,13 +395,15 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
     """Steps ``[first, last)`` with the monitor (``_monitored_steps``), as ``_dense_walk`` runs them without: with
     ``PEEL_TAIL`` the step ``tail`` (``_tail_step``), when in the range, runs between two loops, the one ``MASKED``
     step; without, every step is."""
+    cut = last
     if PEEL_TAIL:
         cut = tl.where((tail >= first) & (tail < last), tail, last)
-        m, l, acc, norm, count, done = _monitored_steps(
-            q, m, l, acc, norm, count, done, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-            stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
-            first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION,
-            LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, False)
+    m, l, acc, norm, count, done = _monitored_steps(
+        q, m, l, acc, norm, count, done, first, cut, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
+        stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
+        first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS,
+        PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, not PEEL_TAIL)
+    if PEEL_TAIL:
         if cut < last:
             m, l, acc, norm, count, done = _monitored_steps(
                 q, m, l, acc, norm, count, done, cut, cut + 1, num_blocks, b, kv_head, seqlen, k_src, v_src,
@@ -418,12 +417,6 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
                 stride_vt, score_log2, first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM,
                 SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
                 USE_DIRECTION, PROBE_ROWS, False)
-    else:
-        m, l, acc, norm, count, done = _monitored_steps(
-            q, m, l, acc, norm, count, done, first, last, num_blocks, b, kv_head, seqlen, k_src, v_src, table_ptr,
-            stride_table_b, PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, score_log2,
-            first_counted, tau, phi, patience, probe_mask, BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION,
-            LOADS, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE, USE_DIRECTION, PROBE_ROWS, True)
     return m, l, acc, norm, count, done
 
 
