@@ -34,7 +34,7 @@ def test_figure_draws_each_implementation_per_step_and_marks_split_counts_off_th
     assert len(second.lines[0].get_xdata()) == 1
     # a run without on-demand rows (before V48) draws no line for them
     assert labels["art_on_demand"] not in {line.get_label() for line in second.lines}
-    assert "1.17x dense with the hint, 2.00x without, 0.90x on demand" in first.get_title()
+    assert "loop over dense: 1.17x with the hint, 2.00x without, 0.90x on demand" in first.get_title()
     assert first.get_title().startswith("B = 32, 8k tokens")
 
 

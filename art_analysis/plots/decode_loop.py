@@ -47,7 +47,7 @@ def decode_loop_figure(payload: dict):
         summary = loop.get("summary", {})
         title = f"B = {loop.get('batch', payload.get('batch', '?'))}, {loop['seqlen'] // 1024}k tokens"
         if "previous_step_over_dense" in summary:
-            title += (f": loop {summary['previous_step_over_dense']:.2f}x dense with the hint, "
+            title += (f"\nloop over dense: {summary['previous_step_over_dense']:.2f}x with the hint, "
                       f"{summary['default_over_dense']:.2f}x without")
         if "on_demand_over_dense" in summary:
             title += f", {summary['on_demand_over_dense']:.2f}x on demand"
@@ -58,7 +58,7 @@ def decode_loop_figure(payload: dict):
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{payload.get('device', 'GPU')}: ART in a decode loop on {payload.get('capture', 'a captured layer')}"
-                 f" ({payload.get('date', '')[:10]})", fontsize=9)
+                 f" ({payload.get('date', '')[:10]})", fontsize=9, y=1.03)
     return fig
 
 
