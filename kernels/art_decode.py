@@ -652,7 +652,9 @@ def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict
     :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest stops).
     Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k / 32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 /
     33 on 132 multiprocessors), it took the fastest of 7 plans at 16k and one within 4.4 % of the fastest at 64k
-    (``benchmarks/NOTES-art-decode.md``, V47, V48).  Usage:
+    (``benchmarks/NOTES-art-decode.md``, V47, V48).  Over that layer's 8 decode steps it took 0.28x the dense loop at
+    B = 128 x 32k and 0.72x at B = 32 x 32k, the fastest plan there, but 1.31x at B = 32 x 8k, where most walks run
+    past the follow step (V49).  Usage:
     ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
     check_count(max_steps, "max_steps", 1, unit="blocks")
     if not isinstance(art, ARTParams):

@@ -13,7 +13,9 @@ measures:
   and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
   the monitor's overhead, summarised over the rows where the monitor runs: ``monitor_runs`` is false
   where the leader's range is shorter than the earliest stop and the call is the dense walk,
-  ``kernels.art_decode.leader_can_stop``), and with the given ART thresholds at the default split count
+  ``kernels.art_decode.leader_can_stop``), never-terminating at the default split plan (``art_never_default``:
+  what a call costs when no walk stops, deferred followers included; summarised over dense as
+  ``never_default_over_dense_*``), and with the given ART thresholds at the default split count
   (``num_splits`` and ``follow_step`` of ``kernels.art_decode.choose_split_plan``: followers deferred until the
   leader has walked that many blocks, or 0),
   and again told each walk (``art_calibrated``: ``pair_walks`` from the stats of one earlier single-split call
@@ -321,6 +323,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     calls["art_dense"] = lambda: art_decode(q, k, v)
     calls["art_dense_bs64"] = lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=splits)
     calls["art_never"] = lambda: art_decode(q, k, v, art=NEVER, num_splits=splits)
+    calls["art_never_default"] = lambda: art_decode(q, k, v, art=NEVER)
     calls["art"] = lambda: art_decode(q, k, v, art=art)
     pair_walks = PairWalks.from_walks(single_steps[..., 0])
     calls["art_calibrated"] = lambda: art_decode(q, k, v, art=art, pair_walks=pair_walks)
@@ -331,6 +334,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),
+              "art_never_default": dict(num_splits=art_decode(q, k, v, art=NEVER, return_stats=True)[1].shape[-1],
+                                        follow_step=default_follow_step(q, k, NEVER, None)),
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
                                       loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
@@ -592,7 +597,10 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         if r["impl"] == "art_never" and not r.get("monitor_runs", True):
             monitor_skipped.add((r["data"], r["batch"], r["seqlen"]))
     dense_ratio, overhead, resolved, overhead_fastest, b1 = [], [], [], [], None
+    never_default = {}
     for (data, batch, seqlen), impls in by_shape.items():
+        if "art_never_default" in impls and "art_dense" in impls:
+            never_default[(data, batch, seqlen)] = impls["art_never_default"] / impls["art_dense"]
         peers = [impls[p] for p in ("cudnn_sdpa", "flash_sdpa", "flex_attention") if p in impls]
         if data == "synthetic" and batch >= 16 and peers and "art_dense" in impls:
             dense_ratio.append(min(peers) / impls["art_dense"])
@@ -624,6 +632,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "monitor_overhead_fastest_rounds_max": max(overhead_fastest, default=None),
         "monitor_overhead_fastest_rounds_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead_fastest),
         "monitor_skipped_rows": len(monitor_skipped),
+        "never_default_over_dense_max": max(never_default.values(), default=None),
+        "never_default_over_dense_median": (sorted(never_default.values())[len(never_default) // 2]
+                                            if never_default else None),
+        "never_default_worst_shape": (dict(zip(("data", "batch", "seqlen"), max(never_default, key=never_default.get)))
+                                      if never_default else None),
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
         "art_rows_with_deferred_followers": sum(r.get("follow_step", 0) > 0 for r in art_rows),
         "art_rows_meeting_time_bound_with_deferred_followers": sum(

@@ -147,6 +147,13 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["art_rows_meeting_time_bound_memset_flush"] == 1
     assert summary["art_calibrated_rows_meeting_time_bound_memset_flush"] == 1
     assert summary["art_rows_meeting_time_bound"] == 1                 # the read-flush count is unchanged
+    # never stopping at the default plan, over dense: absent rows give None, the worst shape is named
+    assert summary["never_default_over_dense_max"] is None and summary["never_default_worst_shape"] is None
+    rows += [row("art_never_default", 1.53), row("art_never_default", 0.063, batch=1)]   # over 1.02 and 0.06
+    summary = summarise(rows, 4.2)
+    assert summary["never_default_over_dense_max"] == pytest.approx(1.5)
+    assert summary["never_default_over_dense_median"] == pytest.approx(1.5)        # the upper of two
+    assert summary["never_default_worst_shape"] == {"data": "synthetic", "batch": 32, "seqlen": 32768}
 
 
 def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
@@ -221,26 +228,27 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["flash_sdpa"] == {**{key: by_impl["art"][key] for key in
                                         ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
                                      "impl": "flash_sdpa", "error": "no kernel for this shape"}
-    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art", "art_calibrated", "art_walks_dense"]
+    timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art_never_default", "art", "art_calibrated",
+             "art_walks_dense"]
     # each round times every call in turn after a read of the L2, and the time bound's calls (dense and ART) right
-    # after that once more after do_bench's memset: 10 timings a round (1..10, 11..20, 21..30)
+    # after that once more after do_bench's memset: 11 timings a round (1..11, 12..22, 23..33)
     first = 1
     for impl in timed:
         memset = impl in ("art_dense", "art", "art_calibrated")
-        assert by_impl[impl]["ms_rounds"] == [first, first + 10.0, first + 20.0]
-        assert by_impl[impl]["ms"] == first + 10.0 and by_impl[impl]["eager_ms"] == 0.5
+        assert by_impl[impl]["ms_rounds"] == [first, first + 11.0, first + 22.0]
+        assert by_impl[impl]["ms"] == first + 11.0 and by_impl[impl]["eager_ms"] == 0.5
         if memset:
-            assert by_impl[impl]["ms_memset_flush_rounds"] == [first + 1, first + 11.0, first + 21.0]
-            assert by_impl[impl]["ms_memset_flush"] == first + 11.0
+            assert by_impl[impl]["ms_memset_flush_rounds"] == [first + 1, first + 12.0, first + 23.0]
+            assert by_impl[impl]["ms_memset_flush"] == first + 12.0
         else:
             assert "ms_memset_flush" not in by_impl[impl]
         first += 2 if memset else 1
-    assert order == 3 * ["read", "read", "memset", "read", "read", "read", "memset", "read", "memset", "read"]
-    assert by_impl["art_dense"]["ms"] == 12.0 and by_impl["art_dense"]["ms_memset_flush"] == 13.0
-    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 12.0 + 0.010
+    assert order == 3 * ["read", "read", "memset", "read", "read", "read", "read", "memset", "read", "memset", "read"]
+    assert by_impl["art_dense"]["ms"] == 13.0 and by_impl["art_dense"]["ms_memset_flush"] == 14.0
+    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 13.0 + 0.010
     assert by_impl["art"]["meets_time_bound"] == (by_impl["art"]["ms"] <= by_impl["art"]["time_bound_ms"])
     # under the memset, the bound is the memset's dense time's, and the ART time the memset's too
-    assert by_impl["art"]["time_bound_memset_flush_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 13.0 + 0.010
+    assert by_impl["art"]["time_bound_memset_flush_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 14.0 + 0.010
     assert by_impl["art"]["meets_time_bound_memset_flush"] == (
         by_impl["art"]["ms_memset_flush"] <= by_impl["art"]["time_bound_memset_flush_ms"])
     # the calibrated row: the longest walk of a single-split call, passed to the split rule
@@ -251,7 +259,7 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
                                  return_stats=True)
     assert calibrated["num_splits"] == hinted.shape[-1]
     assert calibrated["loaded_fraction"] == bench.loaded_fraction(hinted, 256)
-    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 12.0 + 0.010
+    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 13.0 + 0.010
     # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
     assert by_impl["art"]["leader_steps_max"] == int(steps[..., 0].max()) > 0
@@ -264,13 +272,17 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     walks = steps[..., 0].flatten().tolist()
     assert by_impl["art"]["walk_steps_histogram"] == {str(n): walks.count(n) for n in sorted(set(walks))}
     assert by_impl["art"]["model_ms"] == bench.walk_model_ms(walks, {"step_us": 2.0, "fixed_us": 5.0}, 64, 2,
-                                                             bench.kv_bytes(k) / 12.0 / 1e9, 1)
+                                                             bench.kv_bytes(k) / 13.0 / 1e9, 1)
     # the dense kernel over the same walks: its loaded fraction is the single-split walks', its time the rows'
     assert by_impl["art_walks_dense"]["loaded_fraction"] == by_impl["art"]["loaded_fraction"]
-    assert by_impl["art"]["walks_dense_ms"] == by_impl["art_walks_dense"]["ms"] == 20.0
-    assert by_impl["art"]["time_bound_below_walks_dense"] == (by_impl["art"]["time_bound_ms"] < 20.0)
+    assert by_impl["art"]["walks_dense_ms"] == by_impl["art_walks_dense"]["ms"] == 22.0
+    assert by_impl["art"]["time_bound_below_walks_dense"] == (by_impl["art"]["time_bound_ms"] < 22.0)
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
-    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 11.0 / 12.0
+    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 12.0 / 13.0
+    # never stopping at the default plan: the plan the ART row takes (the thresholds do not change it)
+    never_default = by_impl["art_never_default"]
+    assert (never_default["num_splits"], never_default["follow_step"]) == (
+        by_impl["art"]["num_splits"], by_impl["art"]["follow_step"])
 
 
 def test_interleaved_rounds_record_the_clock_and_power_as_each_round_ends(monkeypatch):
