@@ -638,7 +638,7 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk; else the longest walk
     expected (``longest_stop_steps``, by default ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by
     then load no follower's block, and one that runs longer is finished by all the pair's programs."""
-    longest = ART_STOP_MARGIN * earliest_stop_steps(art) if longest_stop_steps is None else longest_stop_steps
+    longest = expected_longest_walk(art) if longest_stop_steps is None else longest_stop_steps
     if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, device, longest):
         return 0
     return longest
@@ -661,7 +661,7 @@ def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict
         raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
     low, high = ON_DEMAND_SPLITS
     num_splits = min(max(max_steps // ON_DEMAND_BLOCKS_PER_SPLIT, low), high)
-    return {"num_splits": num_splits, "follow_step": ART_STOP_MARGIN * earliest_stop_steps(art),
+    return {"num_splits": num_splits, "follow_step": expected_longest_walk(art),
             "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits}
 
 
@@ -791,6 +791,12 @@ def earliest_stop_steps(art: ARTParams) -> int:
     """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
     patience - 1`` at the earliest (the leader's first chunk ends there)."""
     return max(1, art.min_steps) + art.patience
+
+
+def expected_longest_walk(art: ARTParams) -> int:
+    """The longest walk (blocks) that a call not told its walks plans for: ``ART_STOP_MARGIN`` earliest stops
+    (:func:`earliest_stop_steps`), 34 for ``ARTConfig()``."""
+    return ART_STOP_MARGIN * earliest_stop_steps(art)
 
 
 def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:

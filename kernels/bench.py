@@ -334,8 +334,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),
-              "art_never_default": dict(num_splits=art_decode(q, k, v, art=NEVER, return_stats=True)[1].shape[-1],
-                                        follow_step=default_follow_step(q, k, NEVER, None)),
+              "art_never_default": dict(zip(("num_splits", "follow_step"), choose_split_plan(
+                  batch, kv_heads, blocks, q.device, NEVER, ART_BLOCK_SIZE, head_dim))),
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
                                       loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
@@ -386,6 +386,12 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                 row["time_bound_below_walks_dense"] = row["time_bound_ms"] < row["walks_dense_ms"]
     _speedups(rows)
     return rows
+
+
+def _upper_median(values) -> float | None:
+    """The median of ``values``, the upper of the two middle ones for an even count; ``None`` when there are none."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 def time_bound_ms(loaded_fraction: float, dense_ms: float) -> float:
@@ -619,11 +625,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     return {
         "copy_ceiling_tb_per_s": ceiling,
         "dense_over_best_peer_throughput_b16plus_min": min(dense_ratio, default=None),
-        "dense_over_best_peer_throughput_b16plus_median": sorted(dense_ratio)[len(dense_ratio) // 2] if dense_ratio else None,
+        "dense_over_best_peer_throughput_b16plus_median": _upper_median(dense_ratio),
         "dense_target": 0.97,
         "b1_s32k": b1,
         "monitor_overhead_max": max(overhead, default=None),
-        "monitor_overhead_median": sorted(overhead)[len(overhead) // 2] if overhead else None,
+        "monitor_overhead_median": _upper_median(overhead),
         "monitor_overhead_target": MONITOR_OVERHEAD_TARGET,
         "monitor_overhead_rows": len(overhead),
         "monitor_overhead_rows_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead),
@@ -633,8 +639,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "monitor_overhead_fastest_rounds_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead_fastest),
         "monitor_skipped_rows": len(monitor_skipped),
         "never_default_over_dense_max": max(never_default.values(), default=None),
-        "never_default_over_dense_median": (sorted(never_default.values())[len(never_default) // 2]
-                                            if never_default else None),
+        "never_default_over_dense_median": _upper_median(never_default.values()),
         "never_default_worst_shape": (dict(zip(("data", "batch", "seqlen"), max(never_default, key=never_default.get)))
                                       if never_default else None),
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),
