@@ -146,7 +146,10 @@ their ranges; a pair whose leader stops first, or walks to its end, is the singl
 raises ``CONVERGED`` and its followers walk nothing).  The grid is ``(B * Hkv, splits)``, every leader dispatched
 before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
 released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
-walks on alone), so no program waits without end on a leader that is not resident.  Opt-in: it gains on lopsided
+walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few
+walks stop for the count to fall to ``R``, every leader would walk alone to its end (2.5x the dense time at B = 32);
+with ``release_step`` each leader still walking alone releases at its first chunk end at or past that step, whatever
+the count (V51; :func:`on_demand_plan` takes one).  Opt-in: it gains on lopsided
 walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
 of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each call's loaded fraction):
 
@@ -362,6 +365,8 @@ ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between poll
 ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
 ON_DEMAND_SPLITS = (4, 32)        # ... within these bounds
 ON_DEMAND_RELEASED_PER_SM = 8     # ... and at most this many released programs per multiprocessor
+ON_DEMAND_RELEASE_FOLLOW_STEPS = 4   # ... every leader releases at this many follow steps, whatever the count, ...
+ON_DEMAND_RELEASE_WALK_SHARE = 10    # ... and no earlier than this share (1 / 10) of the walk
 # blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
 # multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
 DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
@@ -375,7 +380,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-               return_lse: bool = False, return_stats: bool = False):
+               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -420,8 +425,12 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
             its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
             whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
-            count and follow step of :func:`on_demand_plan`, which also suggests this count.  Not with
+            count, follow step and release step of :func:`on_demand_plan`, which also suggests this count.  Not with
             ``pair_walks`` or ``walk_hint``.
+        release_step: with ``release_walks``, the leader's step from which it releases its followers whatever the
+            count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
+            which too few walks stop does not walk alone to the end.  Default: :func:`on_demand_plan`'s when
+            ``num_splits`` is not given, else never.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -478,6 +487,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         if walk_hint is not None:
             raise ValueError("release_walks cannot record into walk_hint: a released pair's steps do not tell how "
                              "long its walk ran (the release step is not among them)")
+    if release_step is not None:
+        check_count(release_step, "release_step", 0, unit="blocks")
+        if release_walks is None:
+            raise ValueError("release_step is the on-demand followers' (release_walks)")
     if walk_hint is not None:
         from .walk_hint import LongestWalkHint
         if not isinstance(walk_hint, LongestWalkHint):
@@ -501,6 +514,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         on_demand_keywords = on_demand_plan(max_steps, q.device, art)
         num_splits = on_demand_keywords["num_splits"]
         follow_step = on_demand_keywords["follow_step"] if follow_step is None else follow_step
+        release_step = on_demand_keywords["release_step"] if release_step is None else release_step
     elif num_splits is None:
         num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
                                                             head_dim, longest_stop_steps=longest_stop_steps)
@@ -569,6 +583,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * (max_steps if on_demand else follow_step),
         pair_threshold if pair_gates else release_walks if on_demand else 0,
+        min(release_step, max_steps) if on_demand and release_step is not None else max_steps,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
@@ -645,24 +660,33 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
 
 
 def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict:
-    """``art_decode`` keywords of on-demand followers (``num_splits``, ``follow_step``, ``release_walks``) for walks
-    of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within ``ON_DEMAND_SPLITS``; the
-    followers released once the leaders still walking alone are so few that their programs, ``num_splits`` each,
-    number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor; and released no earlier than the step
-    :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest stops).
+    """``art_decode`` keywords of on-demand followers (``num_splits``, ``follow_step``, ``release_walks``,
+    ``release_step``) for walks of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within
+    ``ON_DEMAND_SPLITS``; the followers released once the leaders still walking alone are so few that their
+    programs, ``num_splits`` each, number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor, and no earlier
+    than the step :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest
+    stops); and by every leader still walking alone at ``ON_DEMAND_RELEASE_FOLLOW_STEPS`` follow steps, or at
+    ``1 / ON_DEMAND_RELEASE_WALK_SHARE`` of the walk if later, whatever the count (136 blocks for ``ARTConfig()``
+    on walks of up to 1369 blocks, 204 on walks of 2048).
     Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k / 32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 /
     33 on 132 multiprocessors), it took the fastest of 7 plans at 16k and one within 4.4 % of the fastest at 64k
     (``benchmarks/NOTES-art-decode.md``, V47, V48).  Over that layer's 8 decode steps it took 0.28x the dense loop at
     B = 128 x 32k and 0.72x at B = 32 x 32k, the fastest plan there, but 1.31x at B = 32 x 8k, where most walks run
-    past the follow step (V49).  Usage:
-    ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
+    past the follow step (V49).  The release step bounds the case where too few walks stop for the count to release
+    anyone (R below the pairs): at B = 32, never-stopping calls took 2.54x / 2.60x the dense time at 32k / 128k
+    without it and 1.45x / 1.17x with it, and the stopping calls at B = 32 and 128 kept their times within 1 % (V51;
+    a release step of 136 at 128k made B = 128 15 % slower: its released pairs have 32 splits, whose followers read
+    past the stop).  Usage: ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
     check_count(max_steps, "max_steps", 1, unit="blocks")
     if not isinstance(art, ARTParams):
         raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
     low, high = ON_DEMAND_SPLITS
     num_splits = min(max(max_steps // ON_DEMAND_BLOCKS_PER_SPLIT, low), high)
-    return {"num_splits": num_splits, "follow_step": expected_longest_walk(art),
-            "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits}
+    follow_step = expected_longest_walk(art)
+    return {"num_splits": num_splits, "follow_step": follow_step,
+            "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits,
+            "release_step": max(ON_DEMAND_RELEASE_FOLLOW_STEPS * follow_step,
+                                max_steps // ON_DEMAND_RELEASE_WALK_SHARE)}
 
 
 def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,

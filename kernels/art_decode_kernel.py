@@ -493,12 +493,12 @@ def _count_finished(counter_ptr, num_pairs):
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "pair_limit"])
+@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "pair_limit", "release_step"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
         sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -516,7 +516,8 @@ def art_decode_split_kernel(
     ``pair_limit``: with ``PAIR_GATES`` each pair's expected walk (``[B * Hkv]``) and the walk threshold of the
     per-pair splits; with ``ON_DEMAND`` each pair's release step, then the launch's count of pairs whose leader has
     released its followers or finished alone (``[B * Hkv + 1]``, the count zero between launches), and the most
-    leaders still walking alone at a release; unused otherwise.  ``PROGRAM_THREADS``: the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's
+    leaders still walking alone at a release; unused otherwise.  ``release_step``: with ``ON_DEMAND``, the leader's
+    step from which it releases its followers whatever that count (``num_blocks`` or more: never).  ``PROGRAM_THREADS``: the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's
     sleep between polls (0: none, as in the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
     pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).
 
@@ -693,10 +694,10 @@ def art_decode_split_kernel(
                         # the walk, stopped or not
                         tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu",
                                      mask=(group_done != 0) & (released != 0))
-                        # past the follow step, with few pairs left walking alone: release the followers over the
-                        # rest of the walk (the leader keeps a share of it)
+                        # past the follow step, with few pairs left walking alone or at the release step: release
+                        # the followers over the rest of the walk (the leader keeps a share of it)
                         release = ((group_done == 0) & (released == 0) & (step >= follow_step) & (step < num_blocks)
-                                   & (num_pairs - tl.max(finished_seen, 0) <= pair_limit))
+                                   & ((num_pairs - tl.max(finished_seen, 0) <= pair_limit) | (step >= release_step)))
                         if release:
                             tl.store(pair_words_ptr + bh, step.to(tl.int32))
                             tl.debug_barrier()

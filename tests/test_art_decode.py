@@ -19,7 +19,7 @@ import kernels.art_decode as art_decode_module
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
-from kernels.art_decode import art_decode
+from kernels.art_decode import art_decode, on_demand_plan
 from kernels.paged_cache import to_paged
 
 CPU = torch.device("cpu")
@@ -325,14 +325,30 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
                                                          -1))
         assert not art_decode_module._arrival_counters(CPU, 8).any()
         assert art_decode_module._release_words(CPU, 8)[-1] == 0, "the count of finished pairs must be back at zero"
-    # without num_splits, on_demand_plan's split count and follow step (24 blocks: 4 splits; released from step 8)
+    # a release step: every leader that passes it without stopping releases there, whatever the count (here none
+    # would by the count: with release_walks=0 only the last leader sees no other walking alone, and it is done)
+    at_step = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=0, release_step=8,
+                         return_lse=True, return_stats=True)
+    assert launches.calls[-1].args[launches.kernel.arg_names.index("release_step")] == 8
+    assert all(torch.equal(a, b) for a, b in zip(at_step, deferred))
+    past_walks = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=0, release_step=40,
+                            return_lse=True, return_stats=True)
+    assert launches.calls[-1].args[launches.kernel.arg_names.index("release_step")] == 24   # capped at the walk
+    assert all(torch.equal(a[..., 0] if a.dim() == 3 else a, b[..., 0] if b.dim() == 3 else b)
+               for a, b in zip(past_walks, single)) and not past_walks[2][..., 1:].any()
+    # without num_splits, on_demand_plan's split count, follow step and release step (24 blocks: 4 splits;
+    # released from step 8)
     art_decode(q, k, v, art=params, release_walks=3)
     call = launches.calls[-1]
     assert call.grid == (8, 4) and call.kwargs["ON_DEMAND"]
     assert call.args[launches.kernel.arg_names.index("follow_step")] == 8
+    assert call.args[launches.kernel.arg_names.index("release_step")] == min(
+        on_demand_plan(24, CPU, params)["release_step"], 24)
     from kernels.pair_walks import PairWalks
     for bad, message in (({"release_walks": -1}, "release_walks"),
-                         ({"release_walks": 4, "pair_walks": PairWalks.from_walks(walks)}, "no pair_walks")):
+                         ({"release_walks": 4, "pair_walks": PairWalks.from_walks(walks)}, "no pair_walks"),
+                         ({"release_walks": 4, "release_step": -1}, "release_step"),
+                         ({"release_step": 8}, "on-demand followers")):
         with pytest.raises(ValueError, match=message):
             art_decode(q, k, v, art=params, **bad)
     with pytest.raises(ValueError, match="needs art"):

@@ -60,12 +60,15 @@ def test_on_demand_plan_splits_by_length_and_releases_a_few_programs_per_multipr
 
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     monitor = ARTParams()                                           # earliest stop 17 steps: follow step 34
-    # the best plans measured on the SmolLM2 layer at B = 128 (V47) and the two lengths checked after (V48)
-    for blocks, splits, release in ((128, 4, 264), (256, 8, 132), (512, 16, 66), (1024, 32, 33), (2048, 32, 33)):
+    # the best plans measured on the SmolLM2 layer at B = 128 (V47) and the two lengths checked after (V48); every
+    # leader still alone releases at 4 follow steps, or a tenth of the walk where that is later (V51)
+    for blocks, splits, release, step in ((128, 4, 264, 136), (256, 8, 132, 136), (512, 16, 66, 136),
+                                          (1024, 32, 33, 136), (2048, 32, 33, 204)):
         assert on_demand_plan(blocks, None, monitor) == {"num_splits": splits, "follow_step": 34,
-                                                         "release_walks": release}
+                                                         "release_walks": release, "release_step": step}
     assert on_demand_plan(40, None, monitor)["num_splits"] == 4     # at least 4 splits
     assert on_demand_plan(1024, None, ARTParams(patience=40, min_steps=9))["follow_step"] == 98
+    assert on_demand_plan(1024, None, ARTParams(patience=40, min_steps=9))["release_step"] == 392
     with pytest.raises(ValueError, match="max_steps"):
         on_demand_plan(0, None, monitor)
     with pytest.raises(TypeError, match="ARTParams"):
