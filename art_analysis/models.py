@@ -11,6 +11,7 @@ since importing it pulls in packages this project does not want.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -130,6 +131,7 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    check_no_foreign_kernels()
     location = locate_model(name_or_path)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -144,6 +146,22 @@ def load_model(
     )
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, location=location)
+
+
+def check_no_foreign_kernels() -> None:
+    """Raise a clear error where a distribution named ``kernels`` is installed (Hugging Face's, which transformers
+    5.25 and later require): its import name is this project's ``kernels`` package, so whichever of the two comes
+    first on ``sys.path`` shadows the other, and transformers then fails inside its own import (``cannot import name
+    'CUDAProperties' from 'kernels'``) or this project's kernels cannot be imported.  This project is the
+    distribution ``art-analysis``; it pins ``transformers<5.25`` in its ``capture`` extra."""
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise RuntimeError(
+        f"the distribution 'kernels' {version} is installed (Hugging Face's, required by transformers >= 5.25); its "
+        "import name is this project's 'kernels' package, and the two cannot be imported side by side. Use "
+        "transformers below 5.25 without it: pip install 'transformers>=4.56,<5.25' && pip uninstall -y kernels")
 
 
 def cache_argument(model) -> str:

