@@ -45,8 +45,9 @@ ranges are empty, and none of the pair's programs touches its arrival counter); 
 ``(B * Hkv, splits)`` too, so that the leaders are dispatched first and the empty followers after them.  With
 ``ON_DEMAND`` (on-demand followers, ``release_walks``) the leader's range is the whole walk until it releases its
 followers: at the end of a chunk at or past ``follow_step``, once at most ``pair_limit`` of the launch's leaders still
-walk alone (a count after the pairs' words in ``pair_words_ptr``, read as the chunk starts), it writes its step in its
-pair's word, sets ``RELEASED`` and ends its range a share past that step; the followers wait from the start
+walk alone (a count after the pairs' words in ``pair_words_ptr``, read as the chunk starts), or at or past
+``release_step`` whatever the count, it writes its step in its pair's word, sets ``RELEASED`` and ends its range a
+share past that step; the followers wait from the start
 (``_await_release``) and cut the rest of the walk as deferred followers released at that step would.  A leader that
 stops first, or walks to its end, raises ``CONVERGED`` (its result alone is the pair's); the grid is
 ``(B * Hkv, splits)``.  With ``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
