@@ -1022,6 +1022,39 @@ def test_gpu_on_demand_followers_give_each_pair_the_single_walk_or_the_whole_att
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_on_demand_release_step_releases_every_leader_still_alone(head_dim):
+    # B = 32 x 8k, 4 splits, R = 0: no leader releases by the count, so only the release step (40) does.  Never
+    # stopping, every pair is released there and its programs cover every block, with the whole attention; with
+    # stopping thresholds a pair that stopped first is the single walk bit for bit, and a released one the single
+    # walk where its leader stopped in its range, else the whole attention.  Counters back at zero after each call.
+    from kernels.art_params import ARTParams
+    q, k, v = synthetic_inputs(32, 32, 8, 8192, head_dim, torch.bfloat16, _cuda(), seed=5)
+    params = ARTConfig().kernel_params()
+    never = ARTParams(tau=0.0, phi=0.0, patience=params.patience, min_steps=params.min_steps)
+    dense = art_decode(q, k, v, art=None, return_lse=True)
+    out, lse, steps = art_decode(q, k, v, art=never, num_splits=4, release_walks=0, release_step=40,
+                                 return_lse=True, return_stats=True)
+    assert bool((steps.sum(-1) == 128).all()) and bool((steps[..., 1:].sum(-1) > 0).all())
+    assert bool((steps[..., 0] >= 40).all()), "a leader walks alone up to the release step"
+    assert_within_flash_oracle(out, q, k, v)
+    assert torch.allclose(lse, dense[1], atol=1e-4, rtol=0)
+    single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
+    out, lse, steps = art_decode(q, k, v, art=params, num_splits=4, release_walks=0, release_step=40,
+                                 return_lse=True, return_stats=True)
+    alone = steps[..., 1:].sum(-1) == 0
+    whole = ~alone & (steps[..., 0] != single[2][..., 0])
+    assert bool((single[2][..., 0][alone] <= 56).all()), "a leader alone past the release step must have released"
+    assert torch.equal(steps[..., 0][alone], single[2][..., 0][alone])
+    heads = (~whole).repeat_interleave(4, dim=1)
+    assert torch.equal(out[heads], single[0][heads]) and torch.equal(lse[heads], single[1][heads])
+    assert bool((steps[whole].sum(-1) == 128).all())
+    assert int((~alone).sum()) > 0, "the case must release some pairs"
+    assert not art_decode_module._arrival_counters(q.device, 256).any()
+    assert int(art_decode_module._release_words(q.device, 256)[-1]) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call(head_dim):
     # B = 128 x 8k fills the GPU, so the plan is one split; told that 16 pairs walk the whole 128 blocks, the launcher
