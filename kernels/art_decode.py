@@ -149,7 +149,10 @@ released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear;
 walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few
 walks stop for the count to fall to ``R``, every leader would walk alone to its end (2.5x the dense time at B = 32);
 with ``release_step`` each leader still walking alone releases at its first chunk end at or past that step, whatever
-the count (V51; :func:`on_demand_plan` takes one).  Opt-in: it gains on lopsided
+the count (V51; :func:`on_demand_plan` takes one).  The stage count of an on-demand grid is set by its leaders alone
+(:func:`_launch_config`): the followers, dispatched after every leader, only wait, and counted with them a grid of
+64 x 128 blocks went to 2 stages (V52: synthetic 32/8, B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154 ms; the
+rows whose leaders alone exceed 3 per multiprocessor unchanged).  Opt-in: it gains on lopsided
 walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
 of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each call's loaded fraction):
 
@@ -562,7 +565,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if pair_gates:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
     longest_first = pair_walks is not None and art is not None
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
+    # on-demand followers are dispatched after every leader and wait: the leaders alone set the stage count (V52)
+    stage_programs = batch * kv_heads if on_demand else programs
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, stage_programs, loads, paged=paged,
                                            single_walks=pair_walks if longest_first and single else None,
                                            pair_splits=pair_gates)
     block_g = triton.next_power_of_2(group)
@@ -918,7 +923,7 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
-    instead of 1.3 (V9), unless the call walks each pair single, launched longest first from
+    instead of 1.3 (V9; ``programs``: those that walk at once, an on-demand call's leaders), unless the call walks each pair single, launched longest first from
     ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`), on the contiguous layout, and
     :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated once per walks
     object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
