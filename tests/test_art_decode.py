@@ -290,6 +290,22 @@ def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk
     assert torch.equal(steps[..., 0].long(), expected) and torch.equal(out, single)
 
 
+def test_on_demand_stage_count_counts_the_leaders_alone(monkeypatch):
+    """An on-demand grid's followers are dispatched after every leader and only wait: the launch configuration is
+    sized for the ``B * Hkv`` leaders (a grid of 64 x 128 blocks counted with them went to 2 stages and slowed every
+    leader, V52), while a deferred grid of the same split count, whose programs all stay resident, counts them all."""
+    counted = []
+    original = art_decode_module._launch_config
+    monkeypatch.setattr(art_decode_module, "_launch_config",
+                        lambda device, block_size, head_dim, programs, *args, **kwargs: counted.append(programs)
+                        or original(device, block_size, head_dim, programs, *args, **kwargs))
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 8 pairs
+    params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=3)
+    art_decode(q, k, v, art=params, num_splits=3, follow_step=8)
+    assert counted == [8, 24]
+
+
 def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_launches):
     """The interpreter runs the leaders one after another, in pair order, before any follower: leader ``i`` finds
     ``i`` pairs done with their walk alone, so with ``release_walks = r`` exactly the pairs from ``B * Hkv - r`` on
