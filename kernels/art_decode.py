@@ -564,10 +564,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     pair_gates = pair_threshold is not None
     if pair_gates:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
+    elif on_demand:   # the followers are dispatched after every leader and wait: the leaders alone walk at once (V52)
+        programs = batch * kv_heads
     longest_first = pair_walks is not None and art is not None
-    # on-demand followers are dispatched after every leader and wait: the leaders alone set the stage count (V52)
-    stage_programs = batch * kv_heads if on_demand else programs
-    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, stage_programs, loads, paged=paged,
+    num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
                                            single_walks=pair_walks if longest_first and single else None,
                                            pair_splits=pair_gates)
     block_g = triton.next_power_of_2(group)
@@ -923,10 +923,10 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
     larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
-    instead of 1.3 (V9; ``programs``: those that walk at once, an on-demand call's leaders), unless the call walks each pair single, launched longest first from
-    ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`), on the contiguous layout, and
-    :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated once per walks
-    object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
+    instead of 1.3 (V9; ``programs``: those that walk at once, an on-demand call's leaders), unless the call
+    walks each pair single, launched longest first from ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`),
+    on the contiguous layout, and :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated
+    once per walks object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
     ``PAIR_SPLIT_STAGES`` (4) stages: 4 programs per multiprocessor instead of 6 at 3 stages (shared memory), which
     shortened the SmolLM2 layer's per-pair plans at B = 128 by 2-7 % (V46).  ART and dense calls of one shape
     get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense.
