@@ -1,0 +1,85 @@
+"""The instruction schedule of a compiled kernel's MMA loops, read from its SASS (Hopper, sm_90).
+
+A monitored walk alone on its multiprocessor is latency-bound: one step is a chain of dependent instructions (the
+``q K^T`` MMAs, the softmax, the ``P V`` MMAs, the monitor), so its time follows the cycles the step's loop stalls
+between issues, which ptxas encodes in each instruction's control bits.  The ``q K^T`` product of one step is
+``D / 16`` MMAs accumulating into each score tile; ptxas may interleave the tiles' chains, or issue each chain
+whole, every MMA then waiting the previous one's latency (a *serialised* chain).  Which it does depends on code
+around the loop, not on the loop's own source: on the H200 (Triton 3.6) the 128-dim on-demand leader's step is
+serialised (1721 stall cycles per step against 1313 for the single walk) and walks 1.48 us per block against
+1.19 (``benchmarks/NOTES-art-decode.md``, V54).  :func:`mma_loop_schedules` reads the loops; the GPU tests
+check that the default plan's builds keep their chains interleaved.
+
+Control bits (Volta and newer, the high 64-bit word of each 128-bit instruction): stall cycles in bits 41-44.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+SERIALISED_MMA_STALL = 12   # an MMA issued this many cycles after its predecessor waited on its result
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);\s*/\* (0x[0-9a-f]{16}) \*/")
+_CONTROL = re.compile(r"/\* (0x[0-9a-f]{16}) \*/")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSchedule:
+    """One innermost loop of a kernel that holds MMAs: its first instruction's address, instructions per
+    iteration, the sum of their issue stalls (cycles, a lower bound on one iteration of one warp), its MMAs, and
+    the MMAs issued at least ``SERIALISED_MMA_STALL`` cycles after the instruction before them."""
+
+    start: int
+    instructions: int
+    stall_cycles: int
+    mmas: int
+    serialised_mmas: int
+
+
+def sass_with_control(cubin: bytes) -> list[tuple[int, str, int, str | None]]:
+    """``(address, text, stall cycles, label)`` of each instruction of ``cubin`` (``label``: the branch-target
+    label that precedes it, if any), from ``nvdisasm -hex`` of the Triton wheel's CUDA tools."""
+    import triton
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        listing = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-hex", path], capture_output=True, text=True,
+                                 check=True).stdout.splitlines()
+    instructions, label = [], None
+    for i, line in enumerate(listing):
+        target = _LABEL.match(line.strip())
+        if target:
+            label = target.group(1)
+            continue
+        found = _INSTRUCTION.match(line)
+        if found:
+            control = int(_CONTROL.search(listing[i + 1]).group(1), 16)
+            instructions.append((int(found.group(1), 16), found.group(2).strip(), (control >> 41) & 0xF, label))
+            label = None
+    return instructions
+
+
+def mma_loop_schedules(cubin: bytes) -> list[LoopSchedule]:
+    """The innermost loops (a backward branch's range that holds no other) of ``cubin`` that hold MMAs, in address
+    order."""
+    instructions = sass_with_control(cubin)
+    label_address = {label: address for address, _, _, label in instructions if label}
+    ranges = sorted({(label_address[branch.group(1)], address) for address, text, _, _ in instructions
+                     if (branch := _BRANCH.search(text)) and label_address.get(branch.group(1), address) < address})
+    innermost = [(lo, hi) for lo, hi in ranges
+                 if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in ranges)]
+    schedules = []
+    for lo, hi in innermost:
+        body = [(text, stall) for address, text, stall, _ in instructions if lo <= address <= hi]
+        mma_stalls = [stall for text, stall in body if "HMMA" in text]
+        if mma_stalls:
+            schedules.append(LoopSchedule(start=lo, instructions=len(body), stall_cycles=sum(s for _, s in body),
+                                          mmas=len(mma_stalls),
+                                          serialised_mmas=sum(s >= SERIALISED_MMA_STALL for s in mma_stalls)))
+    return schedules
