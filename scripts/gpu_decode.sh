@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The ART decode kernel on one CUDA GPU, in one call: the bf16 tests at real sizes (pytest -m gpu),
-# compute-sanitizer memcheck on a representative run (paged and contiguous, ragged, ART with splits), then the
-# benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
+# The ART decode kernel on one CUDA GPU, in one call: the bf16 tests at real sizes and the default builds' step
+# schedule (pytest -m gpu), compute-sanitizer memcheck on a representative run (paged and contiguous, ragged, ART
+# with splits), then the benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
 # and memcheck; SKIP_BENCH=1 stops after them.  The captured layer $CAPTURE (default
 # .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it with the device
@@ -18,7 +18,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$out_dir/decode_gpu_state.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    python3 -m pytest -q -m gpu -s tests/test_art_decode.py tests/test_art_decode_errors.py tests/test_walk_hint.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
+    python3 -m pytest -q -m gpu -s tests/test_art_decode.py tests/test_art_decode_errors.py tests/test_walk_hint.py \
+        tests/test_art_decode_compiles.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
 fi
 memcheck_run='
 import torch
