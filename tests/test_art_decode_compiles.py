@@ -95,6 +95,11 @@ CASES = [
 ]
 
 
+def _compile_requests(labels: list[str], recorded) -> list[dict]:
+    """``_compile_request`` of each launch ``recorded`` (``conftest.KernelLaunches``), labelled in order."""
+    return [_compile_request(label, recorded.kernel.arg_names, call) for label, call in zip(labels, recorded.calls)]
+
+
 def _compile_for_sm90(launches: list[dict]) -> subprocess.CompletedProcess:
     """Compiles ``_compile_request``'s ``launches`` for sm_90 in a subprocess without the interpreter (a launch with a
     ``cubin`` path writes its cubin there); fails the test if any does not compile."""
@@ -133,7 +138,7 @@ def test_every_launch_configuration_compiles_for_sm90(record_decode_launches):
     for _, q_heads, kv_heads, head_dim, dtype, art, kwargs in CASES:
         _launch(q_heads, kv_heads, head_dim, dtype, art, **kwargs)
     assert len(recorded.calls) == len(CASES)
-    launches = [_compile_request(case[0], recorded.kernel.arg_names, call) for case, call in zip(CASES, recorded.calls)]
+    launches = _compile_requests([case[0] for case in CASES], recorded)
     done = _compile_for_sm90(launches)
     assert done.stdout.count("SASS bytes") == len(CASES), done.stdout
     # only the on-demand followers sleep between their polls
@@ -161,7 +166,7 @@ def test_the_step_schedule_finds_the_monitored_step_loop(record_decode_launches,
     cases = [("D 128", 32, 8, 128), ("D 64", 9, 3, 64)]
     for _, q_heads, kv_heads, head_dim in cases:
         _launch(q_heads, kv_heads, head_dim, torch.bfloat16, True, num_splits=1)
-    launches = [_compile_request(case[0], recorded.kernel.arg_names, call) for case, call in zip(cases, recorded.calls)]
+    launches = _compile_requests([case[0] for case in cases], recorded)
     loops = _mma_loops(launches, tmp_path)
     for (label, _, _, head_dim), launch in zip(cases, launches):
         step_mmas = launch["constexprs"]["BLOCK_N"] * head_dim // (64 * launch["options"]["num_warps"])
@@ -179,15 +184,17 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
     V54)."""
     recorded = record_decode_launches()
     params = ARTConfig().kernel_params()
-    cases = [("D 128, one split", 128, 8192, 32, 8, 128, True), ("D 128, deferred followers", 8, 32768, 32, 8, 128, False),
-             ("D 64, one split", 128, 32768, 9, 3, 64, True), ("D 64, deferred followers", 32, 8192, 9, 3, 64, False)]
+    cases = [("D 128, one split", 128, 8192, 32, 8, 128, True),
+             ("D 128, deferred followers", 8, 32768, 32, 8, 128, False),
+             ("D 64, one split", 128, 32768, 9, 3, 64, True),
+             ("D 64, deferred followers", 32, 8192, 9, 3, 64, False)]
     device = torch.device("cuda")
     for _, batch, seqlen, q_heads, kv_heads, head_dim, _ in cases:
         q = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         k = torch.empty(batch, kv_heads, seqlen, head_dim, dtype=torch.bfloat16, device=device)
         art_decode(q, k, k, art=params)
         del q, k
-    launches = [_compile_request(case[0], recorded.kernel.arg_names, call) for case, call in zip(cases, recorded.calls)]
+    launches = _compile_requests([case[0] for case in cases], recorded)
     for (label, *_, single), launch in zip(cases, launches):
         assert (launch["constexprs"]["SINGLE_SPLIT"], launch["constexprs"]["DEFERRED"]) == (single, not single), label
     loops = _mma_loops(launches, tmp_path)
