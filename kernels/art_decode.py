@@ -86,7 +86,10 @@ runs the dense walk of its split count, without the monitor, with the same resul
 the arrival counter, at most ``GATE_POLLS_PER_STEP`` times per follow step, after which they walk anyway, so no
 program waits without end on a leader that is not resident) until the leader either stops (bit ``CONVERGED``: they
 load nothing) or passes its step ``follow_step`` without stopping (bit ``RELEASED``: they walk their ranges as in
-the leader scheme; a released follower's first chunk is short, since its leader may stop a few steps later).  The
+the leader scheme).  A released leader may stop a few steps later: with each chunk it starts past the follow step
+it publishes that chunk's end, the next step it can stop at, and its followers poll a step after it (V55:
+synthetic 32/8, B = 8 x 32k 0.085 -> 0.070 ms, B = 8 x 128k 0.083 -> 0.066, against polls after 4 steps and then
+every 16; outputs the same bit for bit).  The
 ranges cut the walk past the follow step, and the leader's also holds the steps before it
 (:func:`leader_range`), so that a walk that does not stop ends in every program at once.  The grid is then
 ``(B * Hkv, splits)``, so that every leader is dispatched before any follower, one per multiprocessor first, and at
@@ -292,7 +295,7 @@ dense step 1.17 / 1.70 -> 0.89 / 1.26 (contiguous 0.89), ART at 8 x 32k 0.077 / 
 0.081 / 0.107 -> 0.077 / 0.093.
 
 **Converged flag, read uniformly** (V8).  Every read of the flag is a scalar atomic
-(``art_decode_kernel._read_flag``; the last arriver's read is its arrival): one
+(``art_decode_kernel._read_word``; the last arriver's read is its arrival): one
 thread executes it and the value is broadcast, so all warps of a program leave the walk at the
 same chunk.  With plain scalar loads each warp read the flag itself; warps on either side of the
 leader's store left the loop at different chunks, their barriers paired up wrongly, and the

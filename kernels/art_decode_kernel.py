@@ -35,7 +35,10 @@ that in a walk that does not stop every program takes the same time per block), 
 each chunk and stop too; the combine then ignores them
 (see ``kernels.art_decode``).  With ``DEFERRED`` (deferred followers) the followers first wait in
 ``_await_leader`` until the leader has raised that flag (they walk nothing) or bit ``RELEASED``, which it sets
-at the end of a chunk at or past its step ``follow_step`` without being done (its chunks also end there); the
+at the end of a chunk at or past its step ``follow_step`` without being done (its chunks also end there).  With each
+such chunk end it publishes, in the same word, where its next chunk ends (the next step at which it can stop), and
+a released follower polls at that point of its own walk (``_follower_chunk``): a leader stops within a few steps
+of the follow step as often as not, and a follower that polled after a fixed chunk kept walking past it.  The
 ranges then cut the walk past the follow step, the leader's holding the steps before it too, and the grid is
 ``(B * Hkv, splits)`` so that every leader is dispatched before any follower.  With ``PAIR_GATES`` (per-pair
 splits, ``kernels.pair_walks``) each pair's expected walk (``walks [B * Hkv]``) decides its ranges: a pair
@@ -74,8 +77,10 @@ from .art_decode_combine import combine_group
 HORIZON_CAP = tl.constexpr(1 << 20)   # the leader's chunks are at most this many steps (ART walks are no longer)
 CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival counter (splits are fewer)
 RELEASED = tl.constexpr(1 << 17)      # deferred followers: the leader passed the follow step without stopping
-RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's first chunk (its leader may stop a few steps later)
+RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's chunk when its leader's next stop is not known
 GAVE_UP = tl.constexpr(1 << 18)       # on-demand followers: one stopped waiting before the release (it is then void)
+CHUNK_HINT_SHIFT = tl.constexpr(19)   # deferred followers: bits 19-30 of the word hold the leader's chunk end ...
+CHUNK_HINT_WALKED = tl.constexpr(4095)  # ... past the follow step, or this value once the leader walks no further
 
 
 @triton.jit
@@ -422,29 +427,58 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
 
 
 @triton.jit
-def _read_flag(ptr):
-    """Whether the converged flag is raised in the arrival counter at ``ptr`` (int32, 0 or 1), the same value in
-    every warp of the program.
+def _read_word(ptr):
+    """The arrival counter at ``ptr`` with its flags (int32: the converged flag, and for deferred followers the
+    leader's chunk-end hint), the same value in every warp of the program.
 
     A scalar ``tl.load`` is issued by every thread, and warps that read it on either side of the
     leader's store would leave the walk at different chunks, so that the program's barriers no
     longer pair up (wrong partial results, or a hang with the descriptor pipeline).  A scalar
     atomic is executed by one thread and broadcast to the program."""
-    return ((tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") & CONVERGED) != 0).to(tl.int32)
+    return tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _await_leader(ptr, max_polls):
     """A deferred follower's wait before its first block: polls the arrival counter at ``ptr`` until the leader
-    has raised the converged flag (returns 1: the follower walks nothing) or released the followers (returns 0),
-    at most ``max_polls`` times (then 0: the follower walks its range as an eager one would, so that no
-    program waits without end on a leader that is not resident; the result is the same either way)."""
-    state = max_polls * 0
+    has raised the converged flag (the follower walks nothing) or released the followers, at most ``max_polls``
+    times (then the follower walks its range as an eager one would, so that no program waits without end on a
+    leader that is not resident; the result is the same either way).  Returns the last word read (its
+    ``CONVERGED`` bit, and the leader's chunk-end hint: ``_follower_chunk``)."""
+    word = max_polls * 0
     polls = max_polls * 0
-    while (state == 0) & (polls < max_polls):
-        state = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu") & (CONVERGED | RELEASED)
+    while ((word & (CONVERGED | RELEASED)) == 0) & (polls < max_polls):
+        word = _read_word(ptr)
         polls += 1
-    return ((state & CONVERGED) != 0).to(tl.int32)
+    return word
+
+
+@triton.jit
+def _leader_horizon(done, count, step, patience, first_counted, probe_valid):
+    """The fewest steps after ``step`` at which the leader's whole group can be done: a head that is not done needs
+    ``patience - count`` more stable steps, counted from ``first_counted`` (int32; 0 when every head is done)."""
+    need = tl.where(done != 0, 0, tl.minimum(patience, HORIZON_CAP) - count
+                    + tl.minimum(tl.maximum(first_counted - step, 0), HORIZON_CAP).to(tl.int32))
+    return tl.max(tl.where(probe_valid, need, 0), 0)
+
+
+@triton.jit
+def _follower_chunk(word, walked, rest, ART_CHUNK: tl.constexpr):
+    """A released deferred follower's next chunk (steps), from the last ``word`` it read of its pair and the steps
+    it has ``walked`` since the release: its leader publishes, with each chunk it starts past the follow step, that
+    chunk's end counted from the follow step (bits ``CHUNK_HINT_SHIFT`` on), and can stop only there; the follower,
+    walking at the leader's pace, polls a step after the leader's chunk ends (so that a leader which stopped there
+    has raised its flag; the H200 measured a poll at the chunk end itself slower), in ``RELEASED_FIRST_CHUNK``
+    steps where that point has passed (the leader has not published its next chunk yet), the whole ``rest`` of its
+    range once the leader walks no further (``CHUNK_HINT_WALKED``), and without a hint (it stopped waiting before
+    the release) in chunks of ``ART_CHUNK``, a rest shorter than two of them in one.  The chunks decide only when
+    it polls, never what it computes."""
+    hint = (word >> CHUNK_HINT_SHIFT) & CHUNK_HINT_WALKED
+    ahead = hint - walked
+    unhinted = tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK)
+    hinted = tl.where(ahead >= 0, ahead + 1, RELEASED_FIRST_CHUNK)
+    chunk = tl.where(hint == 0, unhinted, tl.where(hint == CHUNK_HINT_WALKED, rest, hinted))
+    return tl.minimum(chunk, rest)
 
 
 @triton.jit
@@ -629,9 +663,14 @@ def art_decode_split_kernel(
         # in the one wave that the launcher sizes the scheme to (a follower that starts later reads one chunk).
         # Deferred followers wait for their leader before it instead.
         converged = split * 0
+        # deferred followers: the last word read of the pair (its chunk-end hint); the leader: the hint it last
+        # published (released says whether it has released its followers)
+        word = (split * 0).to(tl.int32)
+        hint_posted = (split * 0).to(tl.int32)
         if DEFERRED:
             if not is_leader and start < end:
-                converged = _await_leader(arrivals_ptr + bh, max_gate_polls)
+                word = _await_leader(arrivals_ptr + bh, max_gate_polls)
+                converged = ((word & CONVERGED) != 0).to(tl.int32)
         released = split * 0
         num_pairs = tl.num_programs(0)
         go = (step < end) & (converged == 0)
@@ -642,17 +681,19 @@ def art_decode_split_kernel(
             # poll the flag every ART_CHUNK steps, and take a rest shorter than two chunks in one: a poll drains
             # the program's pipeline, and it would save at most a chunk's blocks there.  int32: `count` stays
             # below HORIZON_CAP while the walk runs.
-            need = tl.where(done != 0, 0, tl.minimum(patience, HORIZON_CAP) - count
-                            + tl.minimum(tl.maximum(first_counted - step, 0), HORIZON_CAP).to(tl.int32))
             rest = (end - step).to(tl.int32)
-            horizon = tl.where(is_leader, tl.max(tl.where(probe_valid, need, 0), 0),
+            horizon = tl.where(is_leader, _leader_horizon(done, count, step, patience, first_counted, probe_valid),
                                tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK))
             if DEFERRED or ON_DEMAND:
-                # the leader's chunk also ends at the follow step, where it releases the followers; their first
-                # chunk is short, since a leader released there may stop a few steps later
+                # the leader's chunk also ends at the follow step, where it releases the followers.  Released
+                # followers poll where their leader's chunks end (deferred: the leader's hint, _follower_chunk), or
+                # take a short first chunk (on demand), since a leader released there may stop a few steps later
+                if DEFERRED:
+                    followed = _follower_chunk(word, (step - start).to(tl.int32), rest, ART_CHUNK)
+                else:
+                    followed = tl.where(step == start, tl.minimum(horizon, RELEASED_FIRST_CHUNK), horizon)
                 horizon = tl.where(is_leader, tl.where(step < follow_step, tl.minimum(horizon, follow_step - step),
-                                                       horizon),
-                                   tl.where(step == start, tl.minimum(horizon, RELEASED_FIRST_CHUNK), horizon))
+                                                       horizon), followed)
             chunk_end = tl.minimum(step + horizon, end)
             if ON_DEMAND:
                 # the count of pairs done with their walk alone, read now and used after the chunk: the load's round
@@ -708,17 +749,27 @@ def art_decode_split_kernel(
                                 end = step + (num_blocks - step) // num_splits
                                 _count_finished(pair_words_ptr + num_pairs, num_pairs)
                     elif DEFERRED:
-                        # converged, or past the follow step without stopping: release the followers (an or, so
-                        # that every chunk past it may set the bit again)
-                        tl.atomic_or(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, RELEASED), sem="relaxed",
-                                     scope="gpu", mask=(group_done != 0) | (step >= follow_step))
+                        # converged: raise the flag.  Past the follow step without stopping: release the followers
+                        # (once), and publish where its next chunk ends, the next step it can stop at, counted from
+                        # the follow step, or CHUNK_HINT_WALKED at the end of its range (_follower_chunk); one add
+                        walks_on = (group_done == 0) & (step >= follow_step)
+                        next_end = tl.minimum(step + _leader_horizon(done, count, step, patience, first_counted,
+                                                                     probe_valid), end)
+                        hint = tl.where(step < end, tl.minimum(next_end - follow_step, CHUNK_HINT_WALKED - 1),
+                                        CHUNK_HINT_WALKED).to(tl.int32)
+                        published = ((hint - hint_posted) << CHUNK_HINT_SHIFT) + tl.where(released == 0, RELEASED, 0)
+                        tl.atomic_add(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, published),
+                                      sem="relaxed", scope="gpu", mask=(group_done != 0) | walks_on)
+                        hint_posted = tl.where(walks_on, hint, hint_posted)
+                        released = tl.where(walks_on, 1, released)
                     else:
                         raise_flag = group_done != 0
                         if PAIR_GATES:
                             raise_flag = raise_flag & (gate < num_blocks)   # a pair walked alone has no followers
                         tl.atomic_add(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu", mask=raise_flag)
                 else:
-                    converged = _read_flag(arrivals_ptr + bh)
+                    word = _read_word(arrivals_ptr + bh)
+                    converged = ((word & CONVERGED) != 0).to(tl.int32)
             go = (step < end) & (group_done == 0) & (converged == 0)
         if ON_DEMAND:
             if is_leader and released == 0:

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from safetensors.torch import load_file
 
 import kernels.art_decode as art_decode_module
+from kernels import art_decode_kernel
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
@@ -597,6 +600,35 @@ def test_followers_poll_after_each_chunk_and_take_a_short_rest_in_one(blocks, fo
     out, steps = art_decode(q, k, v, art=stops_at_once, num_splits=3, return_stats=True)
     assert steps[0, 0].tolist() == [2, follower_steps, follower_steps]
     assert torch.equal(out, art_decode(q, k, v, art=stops_at_once, num_splits=1))
+
+
+@triton.jit
+def _follower_chunks(word_ptr, walked_ptr, rest_ptr, out_ptr, ART_CHUNK: tl.constexpr):
+    """``_follower_chunk`` of 16 cases (int32 ``[16]`` each)."""
+    i = tl.arange(0, 16)
+    tl.store(out_ptr + i, art_decode_kernel._follower_chunk(tl.load(word_ptr + i), tl.load(walked_ptr + i),
+                                                            tl.load(rest_ptr + i), ART_CHUNK))
+
+
+def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
+    """A released deferred follower's chunks (``_follower_chunk``) from the word it last read: to a step past the chunk
+    end its leader published (counted from the follow step, against the follower's steps since its release), a
+    short chunk once that point has passed, the rest of its range once the leader walks no further, and ``ART_CHUNK`` chunks
+    without a hint (a rest shorter than two in one); never past the rest.  The count and flag bits do not disturb
+    it.  The interpreter runs every leader first, so its calls never see a hint of a leader still walking."""
+    kernel = art_decode_kernel
+    shift, walked_on = kernel.CHUNK_HINT_SHIFT.value, kernel.CHUNK_HINT_WALKED.value
+    flags = kernel.RELEASED.value | 3                      # released, three programs arrived
+    cases = [  # (hint, walked, rest, chunk)
+        (8, 0, 100, 9), (8, 5, 100, 4), (8, 8, 100, 1), (8, 9, 100, kernel.RELEASED_FIRST_CHUNK.value),
+        (8, 0, 3, 3), (40, 0, 100, 41), (walked_on, 7, 93, 93), (walked_on, 0, 1, 1),
+        (0, 0, 100, art_decode_module.ART_CHUNK), (0, 9, 31, 31), (0, 0, 32, art_decode_module.ART_CHUNK),
+        (1, 0, 100, 2), (1, 2, 100, 4), (2, 1, 100, 2), (4094, 4000, 500, 95), (0, 0, 1, 1)]
+    word = torch.tensor([(hint << shift) | flags for hint, *_ in cases], dtype=torch.int32)
+    walked, rest, expected = (torch.tensor([case[i] for case in cases], dtype=torch.int32) for i in (1, 2, 3))
+    out = torch.empty(16, dtype=torch.int32)
+    _follower_chunks[(1,)](word, walked, rest, out, art_decode_module.ART_CHUNK)
+    assert out.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("splits", [1, 3])
