@@ -74,7 +74,10 @@ not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-1
   the earliest stop (below);
 * else **deferred followers** (below) from the longest walk expected: a walk that stops by then is the single walk
   (its followers load nothing), and one that runs longer is finished by all the pair's programs, so a wrong guess
-  costs the dense walk's time plus the guess instead of the whole walk at the lone pace.
+  costs the dense walk's time plus the guess instead of the whole walk at the lone pace.  Not told the walk, the
+  plan defers only where the dense walk takes at least ``GUESS_REGRET_RATIO`` (2) times the guess: there a right
+  guess saves at least what a wrong one costs (V56: the SmolLM2 layer at B = 32 x 8k, whose walks run 46-128
+  blocks, took 69 us deferred to 34 blocks against 55 us for the dense walk; its followers now start at once).
 
 ``num_splits=1`` forces the single walk.  When even the leader's range is shorter than the earliest stop
 (:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop and the call
@@ -350,7 +353,6 @@ MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
-DENSE_WALKS_OVERLAPPED = 2        # the split rule's dense walk time: its blocks per multiprocessor over this many
 TMA_MAX_BLOCK = 64
 MIN_SUBPAGE = 16                 # the fewest tokens of a page read as its own tile (the smallest dot operand)
 LEADER_TMA_MIN_STEPS = 32
@@ -366,6 +368,7 @@ WAVE_FILL = 0.75
 ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
 ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
+GUESS_REGRET_RATIO = 2     # ... and the followers deferred to it only where the dense walk takes this many times longer
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
 ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between polls of its leader's word
 ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
@@ -648,21 +651,27 @@ def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.d
     (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
     num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size)
     follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
-                                                          longest_stop_steps=longest_stop_steps)
+                                                          head_dim, longest_stop_steps=longest_stop_steps)
     if follow_step:
         num_splits = min(num_splits, deferred_splits(batch * kv_heads, block_size, head_dim, device))
     return num_splits, follow_step if num_splits > 1 else 0
 
 
 def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
-                       num_splits: int, longest_stop_steps: int | None = None) -> int:
+                       num_splits: int, head_dim: int, longest_stop_steps: int | None = None) -> int:
     """The leader's step from which an ART call's followers walk (module docstring, *deferred followers*):
     0 (at once) when the split-K dense walk would end before the longest monitored walk
-    (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk; else the longest walk
-    expected (``longest_stop_steps``, by default ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by
-    then load no follower's block, and one that runs longer is finished by all the pair's programs."""
-    longest = expected_longest_walk(art) if longest_stop_steps is None else longest_stop_steps
-    if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, device, longest):
+    (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk, or, not told that walk, before
+    ``GUESS_REGRET_RATIO`` times the guess; else the longest walk expected (``longest_stop_steps``, by default
+    ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by then load no follower's block, and one that runs
+    longer is finished by all the pair's programs.  A guess costs the guess on top of the dense walk where it is
+    short and saves the dense walk less the walks where it holds, so it is worth taking where it can save at least
+    what it can cost."""
+    if longest_stop_steps is None:
+        longest, ratio = expected_longest_walk(art), GUESS_REGRET_RATIO
+    else:
+        longest, ratio = longest_stop_steps, 1
+    if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, ratio * longest):
         return 0
     return longest
 
@@ -788,15 +797,16 @@ def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.de
     return MAX_SPLITS
 
 
-def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, device: torch.device, longest: int) -> bool:
-    """Whether the split-K dense walk would end before a monitored walk of ``longest`` blocks, both counted in
-    the blocks of a lone walk: the dense walk's time is taken as the blocks each multiprocessor reads
-    (``batch * kv_heads * max_steps / SMs``, rounded up) over ``DENSE_WALKS_OVERLAPPED`` (2).  On the
-    H200 a multiprocessor's split-K dense walk reads two blocks in 1.1 us at D = 64, about one lone
-    block (0.97 us), and in 2.1-2.3 us at D = 128, 1.7-1.8 lone blocks (1.27 us; V16, V18), so the
-    estimate is close at D = 64 and favours the deferred followers at D = 128."""
-    dense_blocks = -(-batch * kv_heads * max_steps // (DENSE_WALKS_OVERLAPPED * _num_sms(device)))
-    return dense_blocks <= longest
+def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, head_dim: int, device: torch.device,
+                          lone_steps: int) -> bool:
+    """Whether the split-K dense walk of ``batch * kv_heads`` walks of ``max_steps`` 64-token blocks would end within
+    ``lone_steps`` steps of a lone monitored walk: the dense walk reads every block at the device's dense pace,
+    ``DENSE_BLOCKS_PER_LONE_STEP[head_dim]`` blocks per multiprocessor in the time of one lone step.  H200 (V56):
+    B = 1 x 128k at D = 128, 104 lone steps, 124 us, against 127.6 measured; B = 8 x 32k 207 steps, 246 us
+    (245.7); the SmolLM2 layer at B = 32 x 8k, 49 steps, 46 us (55.4) and at 32k 196 steps, 182 us (193.0).
+    (The rule's earlier estimate, a multiprocessor's blocks over two, read 63 steps for B = 1 x 128k.)"""
+    dense_steps = batch * kv_heads * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device))
+    return dense_steps <= lone_steps
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams, follow_step: int = 0) -> bool:

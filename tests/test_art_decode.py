@@ -613,9 +613,10 @@ def _follower_chunks(word_ptr, walked_ptr, rest_ptr, out_ptr, ART_CHUNK: tl.cons
 def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
     """A released deferred follower's chunks (``_follower_chunk``) from the word it last read: to a step past the chunk
     end its leader published (counted from the follow step, against the follower's steps since its release), a
-    short chunk once that point has passed, the rest of its range once the leader walks no further, and ``ART_CHUNK`` chunks
-    without a hint (a rest shorter than two in one); never past the rest.  The count and flag bits do not disturb
-    it.  The interpreter runs every leader first, so its calls never see a hint of a leader still walking."""
+    short chunk once that point has passed, the rest of its range once the leader walks no further, and
+    ``ART_CHUNK`` chunks without a hint (a rest shorter than two in one); never past the rest.  The count and flag
+    bits do not disturb it.  The interpreter runs every leader first, so its calls never see a hint of a leader
+    still walking."""
     kernel = art_decode_kernel
     shift, walked_on = kernel.CHUNK_HINT_SHIFT.value, kernel.CHUNK_HINT_WALKED.value
     flags = kernel.RELEASED.value | 3                      # released, three programs arrived

@@ -37,21 +37,25 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(mon
     def plan(batch, kv_heads, blocks, head_dim=128, longest=None, art=monitor):
         return choose_split_plan(batch, kv_heads, blocks, None, art, 64, head_dim, longest_stop_steps=longest)
 
-    # the dense walk (blocks per SM over 2) ends within 2 earliest ends (34 blocks): followers at once
-    assert plan(1, 8, 512) == (66, 0)                               # 16 blocks
-    assert plan(8, 8, 140) == (8, 0)                                # 34: not longer
-    assert plan(1, 3, 2048, head_dim=64) == (128, 0)                # 24 (SmolLM2 B = 1, 128k)
+    # the dense walk (every block at 1.2 blocks per lone step per SM at D = 128, 1.9 at D = 64) ends within
+    # GUESS_REGRET_RATIO (2) times the guessed longest walk (2 earliest ends, 34 blocks): followers at once
+    assert plan(1, 8, 512) == (66, 0)                               # 26 lone steps
+    assert plan(8, 8, 168) == (8, 0)                                # 67.9 (the blocks per SM over two: 41 > 34)
+    assert plan(1, 3, 2048, head_dim=64) == (128, 0)                # 24.5 (SmolLM2 B = 1, 128k)
+    assert plan(32, 3, 128, head_dim=64) == (5, 0)                  # 49 (SmolLM2 B = 32, 8k: walks of 46-128)
     # else the followers wait for the leader's step 34; at D = 128 the grid keeps 3 programs per SM (3 stages)
-    assert plan(8, 8, 141) == (6, 34)                               # 35 > 34; 396 // 64 programs
-    assert plan(1, 8, 2048) == (49, 34)                             # 63 > 34; 396 // 8
+    assert plan(8, 8, 169) == (6, 34)                               # 68.3 > 68; 396 // 64 programs
+    assert plan(1, 8, 2048) == (49, 34)                             # 103 > 68; 396 // 8
     assert plan(32, 8, 512) == (1, 0)                               # 396 // 256: one split, no follower
-    assert plan(32, 3, 128, head_dim=64) == (5, 34)                 # SmolLM2 B = 32, 8k: 47 > 34
+    assert plan(32, 3, 512, head_dim=64) == (5, 34)                 # SmolLM2 B = 32, 32k: 196 > 68
     assert plan(128, 3, 512, head_dim=64) == (1, 0)                 # one program per pair already fills the SMs
     # told the longest walk, the rule compares the dense walk with it, and the followers wait for that step
     assert plan(32, 3, 128, head_dim=64, longest=128) == (5, 0)
-    assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 0)     # 187
-    assert plan(32, 3, 2048, head_dim=64, longest=241) == (5, 241)  # 745 > 241
-    assert plan(8, 8, 512, longest=44) == (6, 44)                   # 125 > 44
+    assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 0)     # 196
+    assert plan(32, 3, 2048, head_dim=64, longest=241) == (5, 241)  # 784 > 241
+    assert plan(8, 8, 512, longest=44) == (6, 44)                   # 207 > 44
+    # told, the walk needs no margin: 52 > 40 defers, where the guess (52 <= 2 x 34) did not
+    assert plan(8, 8, 128, longest=40) == (6, 40) and plan(8, 8, 128) == (8, 0)
     assert plan(8, 8, 512, longest=600, art=None) == (8, 0)         # dense: unused
 
 

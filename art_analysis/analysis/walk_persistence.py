@@ -75,10 +75,11 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
     * ``longest_grew_fraction``: the ``(layer, t)`` pairs whose longest walk is longer than at ``t - 1``, where a
       hint taken from the previous step falls short;
     * ``split_choice_agreement``: for each threshold (blocks), the ``(layer, t)`` pairs whose longest walk lies on
-      the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split plan starts the followers at
-      once when the longest walk reaches its dense walk's length ``ceil(B Hkv N / (2 SMs))``, and defers them to
-      that walk otherwise (``kernels.art_decode.choose_follow_step``), so this is how often the previous step's hint
-      leads to the choice that the current walk would."""
+      the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split plan, told the longest walk,
+      starts the followers at once when that walk reaches its dense walk's length in lone steps (every block at the
+      device's dense pace, ``kernels.art_decode.dense_walk_ends_first``), and defers them to that walk otherwise
+      (``kernels.art_decode.choose_follow_step``), so this is how often the previous step's hint leads to the choice
+      that the current walk would."""
     if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
         shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__
         raise ValueError(f"walks must be [layers, steps >= 2, B, Hkv], got {shape}")
@@ -151,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capture", type=Path, help="a capture folder with at least 2 decode steps")
     parser.add_argument("--thresholds", type=int, nargs="*", default=[],
-                        help="split-rule thresholds in blocks (e.g. 47: B = 32, 3 KV heads, 129 blocks, 132 SMs)")
+                        help="split-rule thresholds in blocks (e.g. 49: the dense walk of B = 32, 3 KV heads "
+                             "of D = 64, 129 blocks, 132 SMs)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the capture first (default: as stored); the kernel's benchmark runs bfloat16")
     parser.add_argument("--out", type=Path, help="write the summary and the walks here (JSON)")
