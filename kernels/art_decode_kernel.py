@@ -471,12 +471,13 @@ def _follower_chunk(word, walked, rest, ART_CHUNK: tl.constexpr):
     has raised its flag; the H200 measured a poll at the chunk end itself slower), in ``RELEASED_FIRST_CHUNK``
     steps where that point has passed (the leader has not published its next chunk yet), the whole ``rest`` of its
     range once the leader walks no further (``CHUNK_HINT_WALKED``), and without a hint (it stopped waiting before
-    the release) in chunks of ``ART_CHUNK``, a rest shorter than two of them in one.  The chunks decide only when
+    the release, or has passed the largest hint the word holds, ``CHUNK_HINT_WALKED - 1`` steps: walks of over
+    262k tokens) in chunks of ``ART_CHUNK``, a rest shorter than two of them in one.  The chunks decide only when
     it polls, never what it computes."""
     hint = (word >> CHUNK_HINT_SHIFT) & CHUNK_HINT_WALKED
     ahead = hint - walked
     unhinted = tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK)
-    hinted = tl.where(ahead >= 0, ahead + 1, RELEASED_FIRST_CHUNK)
+    hinted = tl.where(ahead >= 0, ahead + 1, tl.where(hint == CHUNK_HINT_WALKED - 1, unhinted, RELEASED_FIRST_CHUNK))
     chunk = tl.where(hint == 0, unhinted, tl.where(hint == CHUNK_HINT_WALKED, rest, hinted))
     return tl.minimum(chunk, rest)
 

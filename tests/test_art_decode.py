@@ -242,18 +242,21 @@ def test_the_longest_walk_hint_sets_the_default_split_plan(monkeypatch, record_d
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
     q = torch.zeros(32, 9, 64, dtype=torch.float16)                                 # SmolLM2's heads, 128 steps
     k = v = torch.zeros(32, 3, 8192, 64, dtype=torch.float16)
+    long_k = torch.zeros(32, 3, 16384, 64, dtype=torch.float16)                     # 256 steps
     config = ARTConfig(tau=0.0, phi=0.0).kernel_params()                           # never stops: short to run
     launches = record_decode_launches()                                # not run: the split plan is the point
-    art_decode(q, k, v, art=config)                                  # dense walk 47 blocks > 2 earliest ends (34)
-    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 47 <= 128: followers at once
-    art_decode(q, k, v, art=config, longest_stop_steps=46)           # 47 > 46: followers from the leader's step 46
+    # dense walk: 32 x 3 x 128 blocks at 1.9 blocks per lone step on each of 132 SMs, 49 lone steps
+    art_decode(q, k, v, art=config)                                  # 49 <= 2 x 34 (the guess): followers at once
+    art_decode(q, long_k, long_k, art=config)                        # 98 > 68: followers from the guess, step 34
+    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 49 <= 128: followers at once
+    art_decode(q, k, v, art=config, longest_stop_steps=46)           # 49 > 46, told: followers from step 46
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count: followers at once
     art_decode(q, k, v, art=config, num_splits=2, follow_step=20)
     follow = launches.kernel.arg_names.index("follow_step")
     plans = [(call.grid, call.kwargs["DEFERRED"], call.args[follow]) for call in launches.calls]
     # deferred followers take the grid (pairs, splits), so that every leader is dispatched first
-    assert plans == [((96, 5), True, 34), ((5, 96), False, 0), ((96, 5), True, 46), ((2, 96), False, 0),
-                     ((96, 2), True, 20)]
+    assert plans == [((5, 96), False, 0), ((96, 5), True, 34), ((5, 96), False, 0), ((96, 5), True, 46),
+                     ((2, 96), False, 0), ((96, 2), True, 20)]
 
 
 def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk_that_does_not():
@@ -614,7 +617,8 @@ def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
     """A released deferred follower's chunks (``_follower_chunk``) from the word it last read: to a step past the chunk
     end its leader published (counted from the follow step, against the follower's steps since its release), a
     short chunk once that point has passed, the rest of its range once the leader walks no further, and
-    ``ART_CHUNK`` chunks without a hint (a rest shorter than two in one); never past the rest.  The count and flag
+    ``ART_CHUNK`` chunks without a hint or past the largest hint the word holds (a rest shorter than two in one);
+    never past the rest.  The count and flag
     bits do not disturb it.  The interpreter runs every leader first, so its calls never see a hint of a leader
     still walking."""
     kernel = art_decode_kernel
@@ -622,7 +626,7 @@ def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
     flags = kernel.RELEASED.value | 3                      # released, three programs arrived
     cases = [  # (hint, walked, rest, chunk)
         (8, 0, 100, 9), (8, 5, 100, 4), (8, 8, 100, 1), (8, 9, 100, kernel.RELEASED_FIRST_CHUNK.value),
-        (8, 0, 3, 3), (40, 0, 100, 41), (walked_on, 7, 93, 93), (walked_on, 0, 1, 1),
+        (8, 0, 3, 3), (40, 0, 100, 41), (walked_on, 7, 93, 93), (walked_on - 1, 4100, 500, art_decode_module.ART_CHUNK),
         (0, 0, 100, art_decode_module.ART_CHUNK), (0, 9, 31, 31), (0, 0, 32, art_decode_module.ART_CHUNK),
         (1, 0, 100, 2), (1, 2, 100, 4), (2, 1, 100, 2), (4094, 4000, 500, 95), (0, 0, 1, 1)]
     word = torch.tensor([(hint << shift) | flags for hint, *_ in cases], dtype=torch.int32)
