@@ -187,7 +187,7 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
     cases = [("D 128, one split", 128, 8192, 32, 8, 128, True),
              ("D 128, deferred followers", 8, 32768, 32, 8, 128, False),
              ("D 64, one split", 128, 32768, 9, 3, 64, True),
-             ("D 64, deferred followers", 32, 8192, 9, 3, 64, False)]
+             ("D 64, deferred followers", 32, 32768, 9, 3, 64, False)]
     device = torch.device("cuda")
     for _, batch, seqlen, q_heads, kv_heads, head_dim, _ in cases:
         q = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
