@@ -618,21 +618,21 @@ def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
     end its leader published (counted from the follow step, against the follower's steps since its release), a
     short chunk once that point has passed, the rest of its range once the leader walks no further, and
     ``ART_CHUNK`` chunks without a hint or past the largest hint the word holds (a rest shorter than two in one);
-    never past the rest.  The count and flag
-    bits do not disturb it.  The interpreter runs every leader first, so its calls never see a hint of a leader
-    still walking."""
+    never past the rest.  The count and flag bits do not disturb it.  The interpreter runs every leader first, so
+    its calls never see a hint of a leader still walking."""
     kernel = art_decode_kernel
     shift, walked_on = kernel.CHUNK_HINT_SHIFT.value, kernel.CHUNK_HINT_WALKED.value
     flags = kernel.RELEASED.value | 3                      # released, three programs arrived
+    chunk = art_decode_module.ART_CHUNK
     cases = [  # (hint, walked, rest, chunk)
         (8, 0, 100, 9), (8, 5, 100, 4), (8, 8, 100, 1), (8, 9, 100, kernel.RELEASED_FIRST_CHUNK.value),
-        (8, 0, 3, 3), (40, 0, 100, 41), (walked_on, 7, 93, 93), (walked_on - 1, 4100, 500, art_decode_module.ART_CHUNK),
-        (0, 0, 100, art_decode_module.ART_CHUNK), (0, 9, 31, 31), (0, 0, 32, art_decode_module.ART_CHUNK),
-        (1, 0, 100, 2), (1, 2, 100, 4), (2, 1, 100, 2), (4094, 4000, 500, 95), (0, 0, 1, 1)]
+        (8, 0, 3, 3), (40, 0, 100, 41), (walked_on, 7, 93, 93), (walked_on - 1, 4100, 500, chunk),
+        (0, 0, 100, chunk), (0, 9, 31, 31), (0, 0, 32, chunk),
+        (1, 0, 100, 2), (1, 2, 100, 4), (2, 1, 100, 2), (walked_on - 1, 4000, 500, 95), (0, 0, 1, 1)]
     word = torch.tensor([(hint << shift) | flags for hint, *_ in cases], dtype=torch.int32)
     walked, rest, expected = (torch.tensor([case[i] for case in cases], dtype=torch.int32) for i in (1, 2, 3))
     out = torch.empty(16, dtype=torch.int32)
-    _follower_chunks[(1,)](word, walked, rest, out, art_decode_module.ART_CHUNK)
+    _follower_chunks[(1,)](word, walked, rest, out, chunk)
     assert out.tolist() == expected.tolist()
 
 
