@@ -50,9 +50,10 @@ ranges are empty, and none of the pair's programs touches its arrival counter); 
 followers: at the end of a chunk at or past ``follow_step``, once at most ``pair_limit`` of the launch's leaders still
 walk alone (a count after the pairs' words in ``pair_words_ptr``, read as the chunk starts), or at or past
 ``release_step`` whatever the count, it writes its step in its pair's word, sets ``RELEASED`` and ends its range a
-share past that step; the followers wait from the start
-(``_await_release``) and cut the rest of the walk as deferred followers released at that step would.  A leader that
-stops first, or walks to its end, raises ``CONVERGED`` (its result alone is the pair's); the grid is
+share past that step, with the end of its next chunk in the same word (and after each chunk, as a deferred leader
+publishes it); the followers wait from the start (``_await_release``), cut the rest of the walk as deferred
+followers released at that step would, and poll where the leader's chunks end.  A leader that stops first, or walks
+to its end, raises ``CONVERGED`` (its result alone is the pair's); the grid is
 ``(B * Hkv, splits)``.  With ``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
 (``order [B * Hkv]``, the pairs by expected walk, longest first), so that the longest walks are dispatched first.
 
@@ -79,8 +80,8 @@ CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival c
 RELEASED = tl.constexpr(1 << 17)      # deferred followers: the leader passed the follow step without stopping
 RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's chunk when its leader's next stop is not known
 GAVE_UP = tl.constexpr(1 << 18)       # on-demand followers: one stopped waiting before the release (it is then void)
-CHUNK_HINT_SHIFT = tl.constexpr(19)   # deferred followers: bits 19-30 of the word hold the leader's chunk end ...
-CHUNK_HINT_WALKED = tl.constexpr(4095)  # ... past the follow step, or this value once the leader walks no further
+CHUNK_HINT_SHIFT = tl.constexpr(19)   # released followers: bits 19-30 of the word hold the leader's chunk end ...
+CHUNK_HINT_WALKED = tl.constexpr(4095)  # ... past the release, or this value once the leader walks no further
 
 
 @triton.jit
@@ -463,20 +464,39 @@ def _leader_horizon(done, count, step, patience, first_counted, probe_valid):
 
 
 @triton.jit
+def _fixed_chunk(rest, ART_CHUNK: tl.constexpr):
+    """A follower's next chunk (steps) where its leader's chunks are not known: ``ART_CHUNK`` steps, or the whole
+    ``rest`` of its range when that is shorter than two chunks (a poll drains the program's pipeline, and it would
+    save at most a chunk's blocks there)."""
+    return tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK)
+
+
+@triton.jit
+def _chunk_end_hint(step, end, leader_horizon, released_at):
+    """What a released leader publishes at ``step``, the end of a chunk, for its followers (``_follower_chunk``):
+    where its next chunk ends (``leader_horizon`` steps on, within its range ``end``) counted from its release step
+    ``released_at`` (at most ``CHUNK_HINT_WALKED - 1``), or ``CHUNK_HINT_WALKED`` once its range is walked (int32)."""
+    next_end = tl.minimum(step + leader_horizon, end)
+    return tl.where(step < end, tl.minimum(next_end - released_at, CHUNK_HINT_WALKED - 1),
+                    CHUNK_HINT_WALKED).to(tl.int32)
+
+
+@triton.jit
 def _follower_chunk(word, walked, rest, ART_CHUNK: tl.constexpr):
-    """A released deferred follower's next chunk (steps), from the last ``word`` it read of its pair and the steps
-    it has ``walked`` since the release: its leader publishes, with each chunk it starts past the follow step, that
-    chunk's end counted from the follow step (bits ``CHUNK_HINT_SHIFT`` on), and can stop only there; the follower,
+    """A released follower's next chunk (steps; deferred or on demand), from the last ``word`` it read of its pair
+    and the steps it has ``walked`` since the release: its leader publishes, with its release and each chunk it
+    starts after it, that chunk's end counted from the release step (bits ``CHUNK_HINT_SHIFT`` on,
+    ``_chunk_end_hint``), and can stop only there; the follower,
     walking at the leader's pace, polls a step after the leader's chunk ends (so that a leader which stopped there
     has raised its flag; the H200 measured a poll at the chunk end itself slower), in ``RELEASED_FIRST_CHUNK``
     steps where that point has passed (the leader has not published its next chunk yet), the whole ``rest`` of its
-    range once the leader walks no further (``CHUNK_HINT_WALKED``), and without a hint (it stopped waiting before
-    the release, or has passed the largest hint the word holds, ``CHUNK_HINT_WALKED - 1`` steps: walks of over
-    262k tokens) in chunks of ``ART_CHUNK``, a rest shorter than two of them in one.  The chunks decide only when
-    it polls, never what it computes."""
+    range once the leader walks no further (``CHUNK_HINT_WALKED``), and without a hint (a deferred follower that
+    stopped waiting before the release, or one past the largest hint the word holds, ``CHUNK_HINT_WALKED - 1``
+    steps: walks of over 262k tokens) in ``_fixed_chunk``'s.  The chunks decide only when it polls, never what it
+    computes."""
     hint = (word >> CHUNK_HINT_SHIFT) & CHUNK_HINT_WALKED
     ahead = hint - walked
-    unhinted = tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK)
+    unhinted = _fixed_chunk(rest, ART_CHUNK)
     hinted = tl.where(ahead >= 0, ahead + 1, tl.where(hint == CHUNK_HINT_WALKED - 1, unhinted, RELEASED_FIRST_CHUNK))
     chunk = tl.where(hint == 0, unhinted, tl.where(hint == CHUNK_HINT_WALKED, rest, hinted))
     return tl.minimum(chunk, rest)
@@ -498,25 +518,26 @@ def _pause(nanoseconds, SLEEP: tl.constexpr):
 @triton.jit
 def _await_release(ptr, max_polls, poll_ns, SLEEP: tl.constexpr):
     """An on-demand follower's wait before its first block: polls the arrival counter at ``ptr`` until the leader
-    has released the followers (returns 1: the follower walks its range) or finished alone (bit ``CONVERGED``:
-    returns 0, it walks nothing), at most ``max_polls`` times.  Then it gives up (returns 0) unless the leader has
-    released meanwhile: it sets ``GAVE_UP`` by compare-and-swap only while ``RELEASED`` is clear, so a word that
-    holds both was given up first, and the leader, whose release returns the word, then walks on alone (no program
-    waits without end on a leader that is not resident).  Between polls it sleeps ``poll_ns`` (``_pause``)."""
-    state = max_polls * 0
+    has released the followers (the follower walks its range) or finished alone (bit ``CONVERGED``: it walks
+    nothing), at most ``max_polls`` times.  Then it gives up unless the leader has released meanwhile: it sets
+    ``GAVE_UP`` by compare-and-swap only while ``RELEASED`` is clear, so a word that holds both was given up first,
+    and the leader, whose release returns the word, then walks on alone (no program waits without end on a leader
+    that is not resident).  Between polls it sleeps ``poll_ns`` (``_pause``).  Returns the last word read: the
+    follower walks where its flags are ``RELEASED`` alone, and the word then holds the leader's first chunk-end hint
+    (``_follower_chunk``)."""
+    word = max_polls * 0
     polls = max_polls * 0
-    while (state == 0) & (polls < max_polls):
-        state = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") & (CONVERGED | RELEASED | GAVE_UP)
+    while ((word & (CONVERGED | RELEASED | GAVE_UP)) == 0) & (polls < max_polls):
+        word = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls += 1
-        if state == 0:
+        if (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
             polls += _pause(poll_ns, SLEEP)
-    if state == 0:
+    if (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
         word = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         while (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
             seen = tl.atomic_cas(ptr, word, word | GAVE_UP, sem="acq_rel", scope="gpu")
             word = tl.where(seen == word, word | GAVE_UP, seen)
-        state = word & (CONVERGED | RELEASED | GAVE_UP)
-    return (state == RELEASED).to(tl.int32)
+    return word
 
 
 @triton.jit
@@ -610,11 +631,14 @@ def art_decode_split_kernel(
     if PAIR_GATES:
         # a pair expected to walk past the threshold takes every split at once, any other is the single walk
         gate = tl.where(tl.load(pair_words_ptr + bh) > pair_limit, 0, num_blocks)
+    # released followers: the last word read of the pair (its leader's chunk-end hint, _follower_chunk)
+    word = (split * 0).to(tl.int32)
     if ON_DEMAND:
         # the leader walks alone unless it releases its followers; a follower learns its range at the release
         gate = num_blocks
         if split > 0:
-            if _await_release(arrivals_ptr + bh, max_gate_polls, POLL_NS, POLL_NS > 0) != 0:
+            word = _await_release(arrivals_ptr + bh, max_gate_polls, POLL_NS, POLL_NS > 0)
+            if (word & (CONVERGED | RELEASED | GAVE_UP)) == RELEASED:
                 gate = tl.atomic_add(pair_words_ptr + bh, 0, sem="relaxed", scope="gpu").to(num_blocks.dtype)
     base = (num_blocks - gate) // num_splits
     longer_from = num_splits - (num_blocks - gate) % num_splits
@@ -664,10 +688,10 @@ def art_decode_split_kernel(
         # in the one wave that the launcher sizes the scheme to (a follower that starts later reads one chunk).
         # Deferred followers wait for their leader before it instead.
         converged = split * 0
-        # deferred followers: the last word read of the pair (its chunk-end hint); the leader: the hint it last
-        # published (released says whether it has released its followers)
-        word = (split * 0).to(tl.int32)
+        # the leader: the chunk-end hint it last published, and the step of its release (released says whether it
+        # has released its followers); its horizon, taken where each chunk ends for the next
         hint_posted = (split * 0).to(tl.int32)
+        released_at = gate
         if DEFERRED:
             if not is_leader and start < end:
                 word = _await_leader(arrivals_ptr + bh, max_gate_polls)
@@ -675,24 +699,20 @@ def art_decode_split_kernel(
         released = split * 0
         num_pairs = tl.num_programs(0)
         go = (step < end) & (converged == 0)
+        leader_horizon = _leader_horizon(done, count, step, patience, first_counted, probe_valid)
         while go:
             # The leader's chunk ends at the earliest step at which its whole group can be done (a head that is
             # not done needs `patience - count` more stable steps, counted from `first_counted`), so its stop
             # step is always the last step of a chunk: it never computes or loads a block past it.  Followers
-            # poll the flag every ART_CHUNK steps, and take a rest shorter than two chunks in one: a poll drains
-            # the program's pipeline, and it would save at most a chunk's blocks there.  int32: `count` stays
-            # below HORIZON_CAP while the walk runs.
+            # poll the flag after chunks of _fixed_chunk's steps.  int32: `count` stays below HORIZON_CAP while the
+            # walk runs.
             rest = (end - step).to(tl.int32)
-            horizon = tl.where(is_leader, _leader_horizon(done, count, step, patience, first_counted, probe_valid),
-                               tl.where(rest < 2 * ART_CHUNK, rest, ART_CHUNK))
+            horizon = tl.where(is_leader, leader_horizon, _fixed_chunk(rest, ART_CHUNK))
             if DEFERRED or ON_DEMAND:
-                # the leader's chunk also ends at the follow step, where it releases the followers.  Released
-                # followers poll where their leader's chunks end (deferred: the leader's hint, _follower_chunk), or
-                # take a short first chunk (on demand), since a leader released there may stop a few steps later
-                if DEFERRED:
-                    followed = _follower_chunk(word, (step - start).to(tl.int32), rest, ART_CHUNK)
-                else:
-                    followed = tl.where(step == start, tl.minimum(horizon, RELEASED_FIRST_CHUNK), horizon)
+                # the leader's chunk also ends at the follow step, from which it may release the followers.
+                # Released followers poll where their leader's chunks end (the leader's hint, _follower_chunk): a
+                # leader released there may stop a few steps later
+                followed = _follower_chunk(word, (step - start).to(tl.int32), rest, ART_CHUNK)
                 horizon = tl.where(is_leader, tl.where(step < follow_step, tl.minimum(horizon, follow_step - step),
                                                        horizon), followed)
             chunk_end = tl.minimum(step + horizon, end)
@@ -728,36 +748,46 @@ def art_decode_split_kernel(
                                         BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PEEL_TAIL)
             visited += chunk_end - step
             step = chunk_end
-            if not SINGLE_SPLIT:
+            if SINGLE_SPLIT:
+                leader_horizon = _leader_horizon(done, count, step, patience, first_counted, probe_valid)
+            else:
                 # the leader raises the flag and never reads it (its own done bits decide); followers poll it.
                 # The leader's add precedes its own arrival on the same word, so the last arrival sees it.
                 if is_leader:
+                    leader_horizon = _leader_horizon(done, count, step, patience, first_counted, probe_valid)
                     if ON_DEMAND:
-                        # a released leader that stops raises the flag here; one that walks alone raises it after
-                        # the walk, stopped or not
-                        tl.atomic_or(arrivals_ptr + bh, CONVERGED, sem="relaxed", scope="gpu",
-                                     mask=(group_done != 0) & (released != 0))
+                        # a released leader that stops raises the flag here, and one that walks on publishes where
+                        # its next chunk ends (_chunk_end_hint); one that walks alone raises the flag after the
+                        # walk, stopped or not
+                        hint = _chunk_end_hint(step, end, leader_horizon, released_at)
+                        tl.atomic_add(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED,
+                                                                  (hint - hint_posted) << CHUNK_HINT_SHIFT),
+                                      sem="relaxed", scope="gpu", mask=released != 0)
+                        hint_posted = tl.where(released != 0, hint, hint_posted)
                         # past the follow step, with few pairs left walking alone or at the release step: release
-                        # the followers over the rest of the walk (the leader keeps a share of it)
+                        # the followers over the rest of the walk (the leader keeps a share of it), with the end of
+                        # its next chunk in the same word
                         release = ((group_done == 0) & (released == 0) & (step >= follow_step) & (step < num_blocks)
                                    & ((num_pairs - tl.max(finished_seen, 0) <= pair_limit) | (step >= release_step)))
                         if release:
                             tl.store(pair_words_ptr + bh, step.to(tl.int32))
                             tl.debug_barrier()
-                            before = tl.atomic_or(arrivals_ptr + bh, RELEASED, sem="release", scope="gpu")
+                            share_end = step + (num_blocks - step) // num_splits
+                            hint = _chunk_end_hint(step, share_end, leader_horizon, step)
+                            before = tl.atomic_or(arrivals_ptr + bh, (hint << CHUNK_HINT_SHIFT) | RELEASED,
+                                                  sem="release", scope="gpu")
                             if (before & GAVE_UP) == 0:
                                 released = split * 0 + 1
-                                end = step + (num_blocks - step) // num_splits
+                                end = share_end
+                                released_at = step
+                                hint_posted = hint
                                 _count_finished(pair_words_ptr + num_pairs, num_pairs)
                     elif DEFERRED:
                         # converged: raise the flag.  Past the follow step without stopping: release the followers
                         # (once), and publish where its next chunk ends, the next step it can stop at, counted from
                         # the follow step, or CHUNK_HINT_WALKED at the end of its range (_follower_chunk); one add
                         walks_on = (group_done == 0) & (step >= follow_step)
-                        next_end = tl.minimum(step + _leader_horizon(done, count, step, patience, first_counted,
-                                                                     probe_valid), end)
-                        hint = tl.where(step < end, tl.minimum(next_end - follow_step, CHUNK_HINT_WALKED - 1),
-                                        CHUNK_HINT_WALKED).to(tl.int32)
+                        hint = _chunk_end_hint(step, end, leader_horizon, follow_step)
                         published = ((hint - hint_posted) << CHUNK_HINT_SHIFT) + tl.where(released == 0, RELEASED, 0)
                         tl.atomic_add(arrivals_ptr + bh, tl.where(group_done != 0, CONVERGED, published),
                                       sem="relaxed", scope="gpu", mask=(group_done != 0) | walks_on)

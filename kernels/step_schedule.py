@@ -5,10 +5,11 @@ A monitored walk alone on its multiprocessor is latency-bound: one step is a cha
 between issues, which ptxas encodes in each instruction's control bits.  The ``q K^T`` product of one step is
 ``D / 16`` MMAs accumulating into each score tile; ptxas may interleave the tiles' chains, or issue each chain
 whole, every MMA then waiting the previous one's latency (a *serialised* chain).  Which it does depends on code
-around the loop, not on the loop's own source: on the H200 (Triton 3.6) the 128-dim on-demand leader's step is
-serialised (1721 stall cycles per step against 1313 for the single walk) and walks 1.48 us per block against
-1.19 (``benchmarks/NOTES-art-decode.md``, V54).  :func:`mma_loop_schedules` reads the loops; the GPU tests
-check that the default plan's builds keep their chains interleaved.
+around the loop, not on the loop's own source: on the H200 (Triton 3.6) the 128-dim on-demand leader's step was
+serialised (1721 stall cycles per step against 1313 for the single walk) and walked 1.48 us per block against
+1.19 (``benchmarks/NOTES-art-decode.md``, V54), until the leader's horizon was carried from one chunk to the next
+(V57: 1370 stall cycles).  :func:`mma_loop_schedules` reads the loops; the GPU tests check that the default plan's
+builds and the on-demand plan's keep their chains interleaved.
 
 Control bits (Volta and newer, the high 64-bit word of each 128-bit instruction): stall cycles in bits 41-44.
 """

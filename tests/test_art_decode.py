@@ -636,6 +636,39 @@ def test_released_deferred_followers_poll_where_their_leaders_chunks_end():
     assert out.tolist() == expected.tolist()
 
 
+@triton.jit
+def _chunk_end_hints(step_ptr, end_ptr, horizon_ptr, released_at_ptr, out_ptr):
+    """``_chunk_end_hint`` of 8 cases (int32 ``[8]`` each)."""
+    i = tl.arange(0, 8)
+    tl.store(out_ptr + i, art_decode_kernel._chunk_end_hint(tl.load(step_ptr + i), tl.load(end_ptr + i),
+                                                            tl.load(horizon_ptr + i), tl.load(released_at_ptr + i)))
+
+
+def test_released_leaders_publish_where_their_next_chunk_ends():
+    """What a released leader (deferred or on demand) publishes at a chunk end (``_chunk_end_hint``): its next chunk's
+    end within its range, counted from its release step; the largest hint the word holds for a chunk end further
+    out; and ``CHUNK_HINT_WALKED`` once its range is walked (also at a release whose share of the rest is empty).
+    Each hint, read back by a follower that has walked as far, polls a step past that chunk end."""
+    kernel = art_decode_kernel
+    walked_on = kernel.CHUNK_HINT_WALKED.value
+    cases = [  # (step, end, leader horizon, release step, hint)
+        (40, 100, 5, 34, 11), (40, 42, 5, 34, 8), (100, 100, 5, 34, walked_on), (5000, 9000, 10, 0, walked_on - 1),
+        (60, 80, 3, 60, 3), (60, 60, 3, 60, walked_on), (34, 200, 1, 34, 1), (4000, 4200, 100, 0, 4094)]
+    step, end, horizon, released_at, expected = (torch.tensor([case[i] for case in cases], dtype=torch.int32)
+                                                 for i in range(5))
+    out = torch.empty(8, dtype=torch.int32)
+    _chunk_end_hints[(1,)](step, end, horizon, released_at, out)
+    assert out.tolist() == expected.tolist()
+    # a follower that has walked as far as its leader (step - release step) polls one step after the chunk end
+    followed = torch.empty(16, dtype=torch.int32)
+    word = (torch.cat([out, out]) << kernel.CHUNK_HINT_SHIFT.value) | kernel.RELEASED.value
+    walked = torch.cat([step - released_at] * 2)
+    _follower_chunks[(1,)](word, walked, torch.full((16,), 10_000, dtype=torch.int32), followed,
+                           art_decode_module.ART_CHUNK)
+    assert followed[:3].tolist() == [6, 3, 10_000]
+    assert followed[4:7].tolist() == [4, 10_000, 2]
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "pages16"])
 def test_zero_thresholds_are_bit_identical_to_dense(splits, page_size):

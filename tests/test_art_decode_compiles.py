@@ -178,25 +178,31 @@ def test_the_step_schedule_finds_the_monitored_step_loop(record_decode_launches,
 def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches, tmp_path):
     """The GPU machine's Triton schedules the monitored step's ``q K^T`` MMA chains interleaved, not one after
     another (at most 2 MMAs waiting on their predecessor's latency per loop; a serialised 128-dim step has 17 and
-    walks 24 % slower), in the default plan's builds: one split at B = 128 and deferred followers at small batch,
-    D = 128 and 64.  ptxas takes that decision from code around the loop (``kernels.step_schedule``); the
-    on-demand followers' 128-dim build is serialised today and not checked here (``benchmarks/NOTES-art-decode.md``,
-    V54)."""
+    walks 24 % slower), in the default plan's builds (one split at B = 128 and deferred followers at small batch) and
+    in ``on_demand_plan``'s, D = 128 and 64.  ptxas takes that decision from code around the loop
+    (``kernels.step_schedule``; ``benchmarks/NOTES-art-decode.md``, V54, V57)."""
+    from kernels.art_decode import on_demand_plan
+
     recorded = record_decode_launches()
     params = ARTConfig().kernel_params()
-    cases = [("D 128, one split", 128, 8192, 32, 8, 128, True),
-             ("D 128, deferred followers", 8, 32768, 32, 8, 128, False),
-             ("D 64, one split", 128, 32768, 9, 3, 64, True),
-             ("D 64, deferred followers", 32, 32768, 9, 3, 64, False)]
+    cases = [("D 128, one split", 128, 8192, 32, 8, 128, "one split"),
+             ("D 128, deferred followers", 8, 32768, 32, 8, 128, "deferred"),
+             ("D 128, on-demand followers", 128, 32768, 32, 8, 128, "on demand"),
+             ("D 64, one split", 128, 32768, 9, 3, 64, "one split"),
+             ("D 64, deferred followers", 32, 32768, 9, 3, 64, "deferred"),
+             ("D 64, on-demand followers", 128, 32768, 9, 3, 64, "on demand")]
     device = torch.device("cuda")
-    for _, batch, seqlen, q_heads, kv_heads, head_dim, _ in cases:
+    for _, batch, seqlen, q_heads, kv_heads, head_dim, plan in cases:
         q = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         k = torch.empty(batch, kv_heads, seqlen, head_dim, dtype=torch.bfloat16, device=device)
-        art_decode(q, k, k, art=params)
+        keywords = on_demand_plan(seqlen // 64, device, params) if plan == "on demand" else {}
+        art_decode(q, k, k, art=params, **keywords)
         del q, k
     launches = _compile_requests([case[0] for case in cases], recorded)
-    for (label, *_, single), launch in zip(cases, launches):
-        assert (launch["constexprs"]["SINGLE_SPLIT"], launch["constexprs"]["DEFERRED"]) == (single, not single), label
+    for (label, *_, plan), launch in zip(cases, launches):
+        built = {name: launch["constexprs"][name] for name in ("SINGLE_SPLIT", "DEFERRED", "ON_DEMAND")}
+        assert built == {"SINGLE_SPLIT": plan == "one split", "DEFERRED": plan == "deferred",
+                         "ON_DEMAND": plan == "on demand"}, (label, built)
     loops = _mma_loops(launches, tmp_path)
     for label, schedules in loops.items():
         assert schedules and all(loop.serialised_mmas <= 2 for loop in schedules), (label, schedules)
