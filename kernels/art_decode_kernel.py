@@ -689,7 +689,9 @@ def art_decode_split_kernel(
         # Deferred followers wait for their leader before it instead.
         converged = split * 0
         # the leader: the chunk-end hint it last published, and the step of its release (released says whether it
-        # has released its followers); its horizon, taken where each chunk ends for the next
+        # has released its followers); its horizon, taken where each chunk ends for the next (computed at each
+        # chunk's start as well, the 128-dim on-demand build compiled with serialised MMAs;
+        # benchmarks/NOTES-art-decode.md, V57)
         hint_posted = (split * 0).to(tl.int32)
         released_at = gate
         if DEFERRED:
