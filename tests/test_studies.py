@@ -297,3 +297,37 @@ def test_reproduce_quick_on_the_model_runs_the_whole_pipeline(loaded, monkeypatc
     layers = {row["layer"] for row in results["studies"]["misalignment_rates"]}
     assert layers == set(range(loaded.config.num_hidden_layers))
     assert "## Retention: retrieval with the rule inside decoding" in (out / "REPORT.md").read_text()
+
+
+def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tmp_path):
+    """``reproduce`` draws the kernel-speed and decode-loop figures from the newest results of their suites, and
+    lists each suite's summary in the report: the decode loop's per loop (``"<batch>x<seqlen> <key>"``, without the
+    per-implementation totals); an older loop result and a kept copy (``-v1``) are not read."""
+    from art_analysis.cli.figures import draw_benchmark_figures
+    from art_analysis.cli.reproduce import _benchmark_summaries
+    from art_analysis.cli.report import _gpu_section
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    folder = tmp_path / "results"
+    folder.mkdir()
+    loop = json.loads((results / "2026-12-04-art-decode-loop.json").read_text())
+    (folder / "2026-12-04-art-decode-loop.json").write_text(json.dumps(loop))
+    stale = {**loop, "summary": {"1x1": {"default_over_dense": 9.0}}}
+    for name in ("2026-12-01-art-decode-loop.json", "2026-12-05-art-decode-loop-v1.json"):
+        (folder / name).write_text(json.dumps(stale))
+    (folder / "2026-12-04-art-decode.json").write_text((results / "2026-12-04-art-decode.json").read_text())
+
+    figures = draw_benchmark_figures(folder, tmp_path)
+    assert set(figures) == {"kernel_speed", "decode_loop"}
+    for name in figures:
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.pdf").exists(), name
+
+    summaries = _benchmark_summaries(folder)
+    assert set(summaries) == {"art-decode", "art-decode-loop"}
+    flat = summaries["art-decode-loop"]["summary"]
+    expected = {f"{shape} {key}": value for shape, numbers in loop["summary"].items() for key, value in numbers.items()
+                if key != "total_ms"}
+    assert flat == expected and "32x32768 on_demand_over_dense" in flat
+    lines = "\n".join(_gpu_section({"flexprefill": [], "benchmarks": summaries}))
+    assert "`2026-12-04-art-decode-loop.json`" in lines and "128x32768 calibrated_over_dense = " in lines
+    assert "1x1" not in lines

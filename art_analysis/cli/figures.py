@@ -132,8 +132,10 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
 
 
 def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
-    """The kernel-speed and FlexPrefill-latency figures from the newest GPU results in ``benchmarks``
-    (none when the folder holds no results)."""
+    """The kernel-speed, decode-loop and FlexPrefill-latency figures from the newest GPU results of each in
+    ``benchmarks`` (none for a suite the folder holds no results of)."""
+    from ..plots.decode_loop import decode_loop_figure
+    from ..plots.figure_io import save_figure
     from ..plots.flexprefill import plot_latency_vs_gamma
     from ..plots.kernel_speed import plot_kernel_speed
 
@@ -141,6 +143,10 @@ def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
     decode = latest_result("art-decode", benchmarks)
     if decode is not None:
         figures["kernel_speed"] = plot_kernel_speed(json.loads(decode.read_text()), out / "kernel_speed.png")
+    loop = latest_result("art-decode-loop", benchmarks)
+    if loop is not None:
+        figures["decode_loop"] = save_figure(decode_loop_figure(json.loads(loop.read_text())),
+                                             out / "decode_loop.png")
     prefill = latest_result("flexprefill", benchmarks)
     if prefill is not None:
         figures["flexprefill_latency"] = plot_latency_vs_gamma(json.loads(prefill.read_text())["rows"],

@@ -201,14 +201,15 @@ def _gpu_section(results: dict) -> list[str]:
         "",
     ]
     if not results["benchmarks"]:
-        return lines + ["No GPU results in `benchmarks/results`; `kernel_speed.png` and the FlexPrefill latency "
-                        "figure are drawn once `art-analysis bench` / `scripts/gpu_*.sh` results are committed.", ""]
+        return lines + ["No GPU results in `benchmarks/results`; `kernel_speed.png`, `decode_loop.png` and the "
+                        "FlexPrefill latency figure are drawn once `art-analysis bench` / `scripts/gpu_*.sh` "
+                        "results are committed.", ""]
     for kind, entry in results["benchmarks"].items():
         summary = entry["summary"] or {}
         items = ", ".join(f"{key} = {value:.4g}" if isinstance(value, float) else f"{key} = {value}"
                           for key, value in summary.items() if not isinstance(value, (dict, list)))
         lines += [f"* `{entry['file']}` ({entry['device']}, {str(entry['date'])[:10]}): {items}."]
-    return lines + ["", "Figures: `kernel_speed.png`, `flexprefill_latency_vs_gamma.png`.", ""]
+    return lines + ["", "Figures: `kernel_speed.png`, `decode_loop.png`, `flexprefill_latency_vs_gamma.png`.", ""]
 
 
 def render_report(results: dict) -> str:

@@ -151,12 +151,18 @@ def _retention(loaded, block_size: int, context: int, quick: bool) -> pd.DataFra
 
 
 def _benchmark_summaries(folder: Path) -> dict:
-    """The ``summary`` of the newest decode and FlexPrefill GPU results in ``folder``, with their file names."""
+    """The ``summary`` of the newest decode, decode-loop and FlexPrefill GPU results in ``folder``, with their file
+    names.  The decode loop's summary holds one entry per loop (``"<batch>x<seqlen>"``); its numbers are taken
+    as ``"<batch>x<seqlen> <key>"`` (the per-implementation totals left out), so that the report lists them."""
     summaries = {}
-    for kind in ("art-decode", "flexprefill"):
+    for kind in ("art-decode", "art-decode-loop", "flexprefill"):
         found = latest_result(kind, folder)
         if found is not None:
             payload = json.loads(found.read_text())
+            summary = payload.get("summary")
+            if kind == "art-decode-loop" and summary:
+                summary = {f"{loop} {key}": value for loop, numbers in summary.items()
+                           for key, value in numbers.items() if not isinstance(value, dict)}
             summaries[kind] = dict(file=found.name, device=payload.get("device"), date=payload.get("date"),
-                                   summary=payload.get("summary"))
+                                   summary=summary)
     return summaries
