@@ -300,7 +300,8 @@ def test_reproduce_quick_on_the_model_runs_the_whole_pipeline(loaded, monkeypatc
 
 
 def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tmp_path):
-    """``reproduce`` draws the kernel-speed and decode-loop figures from the newest results of their suites, and
+    """``reproduce`` draws the kernel-speed, decode-loop and walk-persistence figures from the newest results of
+    their kinds, and
     lists each suite's summary in the report: the decode loop's per loop (``"<batch>x<seqlen> <key>"``, without the
     per-implementation totals); an older loop result and a kept copy (``-v1``) are not read."""
     from art_analysis.cli.figures import draw_benchmark_figures
@@ -315,10 +316,11 @@ def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tm
     stale = {**loop, "summary": {"1x1": {"default_over_dense": 9.0}}}
     for name in ("2026-12-01-art-decode-loop.json", "2026-12-05-art-decode-loop-v1.json"):
         (folder / name).write_text(json.dumps(stale))
-    (folder / "2026-12-04-art-decode.json").write_text((results / "2026-12-04-art-decode.json").read_text())
+    for name in ("2026-12-04-art-decode.json", "2026-12-02-art-decode-walk-persistence.json"):
+        (folder / name).write_text((results / name).read_text())
 
     figures = draw_benchmark_figures(folder, tmp_path)
-    assert set(figures) == {"kernel_speed", "decode_loop"}
+    assert set(figures) == {"kernel_speed", "decode_loop", "walk_persistence"}
     for name in figures:
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.pdf").exists(), name
 

@@ -133,11 +133,13 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
 
 def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
     """The kernel-speed, decode-loop and FlexPrefill-latency figures from the newest GPU results of each in
-    ``benchmarks`` (none for a suite the folder holds no results of)."""
+    ``benchmarks``, and the walk-persistence figure from the newest analysis of a captured decode loop stored there
+    (``python -m art_analysis.analysis.walk_persistence``); none for a kind the folder holds no result of."""
     from ..plots.decode_loop import decode_loop_figure
     from ..plots.figure_io import save_figure
     from ..plots.flexprefill import plot_latency_vs_gamma
     from ..plots.kernel_speed import plot_kernel_speed
+    from ..plots.walk_persistence import walk_persistence_figure
 
     figures = {}
     decode = latest_result("art-decode", benchmarks)
@@ -147,6 +149,10 @@ def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
     if loop is not None:
         figures["decode_loop"] = save_figure(decode_loop_figure(json.loads(loop.read_text())),
                                              out / "decode_loop.png")
+    persistence = latest_result("art-decode-walk-persistence", benchmarks)
+    if persistence is not None:
+        figures["walk_persistence"] = save_figure(walk_persistence_figure(json.loads(persistence.read_text())),
+                                                  out / "walk_persistence.png")
     prefill = latest_result("flexprefill", benchmarks)
     if prefill is not None:
         figures["flexprefill_latency"] = plot_latency_vs_gamma(json.loads(prefill.read_text())["rows"],
