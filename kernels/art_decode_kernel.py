@@ -429,8 +429,8 @@ def _monitored_walk(q, m, l, acc, norm, count, done, first, last, tail, num_bloc
 
 @triton.jit
 def _read_word(ptr):
-    """The arrival counter at ``ptr`` with its flags (int32: the converged flag, and for deferred followers the
-    leader's chunk-end hint), the same value in every warp of the program.
+    """The arrival counter at ``ptr`` with its flags (int32: the converged flag, and for released followers,
+    deferred or on demand, the leader's chunk-end hint), the same value in every warp of the program.
 
     A scalar ``tl.load`` is issued by every thread, and warps that read it on either side of the
     leader's store would leave the walk at different chunks, so that the program's barriers no
