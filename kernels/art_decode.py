@@ -151,8 +151,8 @@ the start, polling the pair's word and sleeping ``ON_DEMAND_POLL_NS`` between po
 their ranges, polling a step past each end of their leader's chunks, which it publishes in the release and after
 each chunk as a deferred leader does (V57: the SmolLM2 layer at B = 32 x 128k 0.233 -> 0.221 ms against polls after
 4 steps and then every 16; on the synthetic caches, B = 32 x 8k 0.155 -> 0.141 with the 128-dim step's MMAs no
-longer serialised in the same change); a pair whose leader stops first, or walks to its end, is the single walk bit for bit (its leader
-raises ``CONVERGED`` and its followers walk nothing).  The grid is ``(B * Hkv, splits)``, every leader dispatched
+longer serialised in the same change); a pair whose leader stops first, or walks to its end, is the single walk
+bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing).  The grid is ``(B * Hkv, splits)``, every leader dispatched
 before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
 released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
 walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few

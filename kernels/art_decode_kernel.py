@@ -80,6 +80,7 @@ CONVERGED = tl.constexpr(1 << 16)     # the converged flag's bit in an arrival c
 RELEASED = tl.constexpr(1 << 17)      # deferred followers: the leader passed the follow step without stopping
 RELEASED_FIRST_CHUNK = tl.constexpr(4)  # a released follower's chunk when its leader's next stop is not known
 GAVE_UP = tl.constexpr(1 << 18)       # on-demand followers: one stopped waiting before the release (it is then void)
+AWAITED = tl.constexpr(CONVERGED.value | RELEASED.value | GAVE_UP.value)  # the bits that end an on-demand wait
 CHUNK_HINT_SHIFT = tl.constexpr(19)   # released followers: bits 19-30 of the word hold the leader's chunk end ...
 CHUNK_HINT_WALKED = tl.constexpr(4095)  # ... past the release, or this value once the leader walks no further
 
@@ -527,14 +528,14 @@ def _await_release(ptr, max_polls, poll_ns, SLEEP: tl.constexpr):
     (``_follower_chunk``)."""
     word = max_polls * 0
     polls = max_polls * 0
-    while ((word & (CONVERGED | RELEASED | GAVE_UP)) == 0) & (polls < max_polls):
+    while ((word & AWAITED) == 0) & (polls < max_polls):
         word = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls += 1
-        if (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
+        if (word & AWAITED) == 0:
             polls += _pause(poll_ns, SLEEP)
-    if (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
+    if (word & AWAITED) == 0:
         word = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        while (word & (CONVERGED | RELEASED | GAVE_UP)) == 0:
+        while (word & AWAITED) == 0:
             seen = tl.atomic_cas(ptr, word, word | GAVE_UP, sem="acq_rel", scope="gpu")
             word = tl.where(seen == word, word | GAVE_UP, seen)
     return word
@@ -638,7 +639,7 @@ def art_decode_split_kernel(
         gate = num_blocks
         if split > 0:
             word = _await_release(arrivals_ptr + bh, max_gate_polls, POLL_NS, POLL_NS > 0)
-            if (word & (CONVERGED | RELEASED | GAVE_UP)) == RELEASED:
+            if (word & AWAITED) == RELEASED:
                 gate = tl.atomic_add(pair_words_ptr + bh, 0, sem="relaxed", scope="gpu").to(num_blocks.dtype)
     base = (num_blocks - gate) // num_splits
     longer_from = num_splits - (num_blocks - gate) % num_splits

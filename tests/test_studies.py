@@ -301,9 +301,8 @@ def test_reproduce_quick_on_the_model_runs_the_whole_pipeline(loaded, monkeypatc
 
 def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tmp_path):
     """``reproduce`` draws the kernel-speed, decode-loop and walk-persistence figures from the newest results of
-    their kinds, and
-    lists each suite's summary in the report: the decode loop's per loop (``"<batch>x<seqlen> <key>"``, without the
-    per-implementation totals); an older loop result and a kept copy (``-v1``) are not read."""
+    their kinds, and lists each suite's summary in the report: the decode loop's per loop (``"<batch>x<seqlen>
+    <key>"``, without the per-implementation totals); an older loop result and a kept copy (``-v1``) are not read."""
     from art_analysis.cli.figures import draw_benchmark_figures
     from art_analysis.cli.reproduce import _benchmark_summaries
     from art_analysis.cli.report import _gpu_section

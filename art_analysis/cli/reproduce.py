@@ -6,8 +6,8 @@ first, middle and last layers; run every study of ``art-analysis figures`` on th
 check the defaults it picks on the second; decode passkey and needle-in-a-haystack prompts with
 the stopping rules inside the model (retention); sweep FlexPrefill's gamma on the recorded
 prefill layers; draw the kernel-speed, decode-loop and FlexPrefill latency figures from the newest GPU results
-in ``benchmarks/results``, and the walk-persistence figure from the analysis stored there; write ``REPORT.md``, ``reproduce.json`` and every figure (PNG + PDF)
-into ``--out``, each atomically.  Captures are cached under ``--captures`` (see
+in ``benchmarks/results``, and the walk-persistence figure from the analysis stored there; write ``REPORT.md``,
+``reproduce.json`` and every figure (PNG + PDF) into ``--out``, each atomically.  Captures are cached under ``--captures`` (see
 :mod:`art_analysis.capture_store`) and reused when their settings match.  ``--quick`` uses 1024-token contexts, a smaller grid and fewer prompts.
 """
 from __future__ import annotations
