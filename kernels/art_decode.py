@@ -140,6 +140,24 @@ walks instead (:class:`kernels.walk_hint.LongestWalkHint` carries them), the pla
 move between pairs from step to step: 8 steps at B = 128 x 32k totalled 0.37x the dense loop, against 0.40x
 without a hint and 0.23x told each step's own walks.
 
+**The hint's plan** (:func:`hint_plan`; ``benchmarks/NOTES-art-decode.md``, V58).  So a call given a ``walk_hint``
+does not take per-pair splits from the previous call's walks: where :func:`pair_plan` would split the pairs that
+walked long, and the dense walk would not end before that plan, it takes on-demand followers (below) at
+:func:`on_demand_plan`'s plan, which find the long walks of this call as they run.  Per-pair splits from the
+previous step split the pairs that walked long then, which may be short now, and leave a pair whose walk has grown
+to walk alone (the SmolLM2 layer at B = 128 x 32k, previous step's walks: one step took 0.516 ms, the default
+0.472); and since a split pair's leader cannot stop past its range, the hint counts its walk as all its blocks, so
+a pair once split stays split (loaded fraction 0.18 -> 0.29 over 8 steps).  An on-demand call records each pair's
+blocks (:func:`kernels.walk_hint.pair_walk_lengths`): a released pair reads as long, so the layer keeps its plan
+while its walks stay lopsided.  On the synthetic caches, whose walks end about together, and on the SmolLM2 layer
+at B = 32 x 8k, where the dense walk ends first, nothing changes.  A call's result under on-demand followers
+depends on timing (below).  H200, the layer's 8 decode steps, CUDA-graph medians of 3 interleaved rounds, the loop
+over the dense loop (``-loop-hint-plan-ab.json``), the previous plan -> this one: B = 32 x 32k 0.77x -> **0.70x**,
+128 x 8k 0.91x -> **0.68x**, 128 x 32k 0.37x -> **0.27x** (on demand in 6 / 7 / 6 of the 8 steps), 32 x 8k 1.00x
+either way; 128 x 128k 0.096x -> 0.101x, where the one step that took on-demand followers took 0.39 ms against
+0.29 with the previous step's per-pair splits (at 128k those split the long pairs into 128 ranges at once, where
+on-demand followers release 32 after their leaders have walked alone).
+
 **On-demand followers** (``release_walks``; ``benchmarks/NOTES-art-decode.md``, V47).  Not told the walks, a call
 whose pairs fill the GPU takes one split and lasts as long as its longest walk.  With ``release_walks=R`` (and
 ``num_splits``; ``follow_step`` default 0) every leader walks alone, and at each end of a chunk past the follow step
@@ -152,8 +170,10 @@ their ranges, polling a step past each end of their leader's chunks, which it pu
 each chunk as a deferred leader does (V57: the SmolLM2 layer at B = 32 x 128k 0.233 -> 0.221 ms against polls after
 4 steps and then every 16; on the synthetic caches, B = 32 x 8k 0.155 -> 0.141 with the 128-dim step's MMAs no
 longer serialised in the same change); a pair whose leader stops first, or walks to its end, is the single walk
-bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing).  The grid is ``(B * Hkv, splits)``, every leader dispatched
-before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
+bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing), and a released pair whose leader
+runs past its share gets the whole attention.  Which pairs are released depends on when the other leaders finish,
+so a pair's result, its single walk or the whole attention, may differ from one call to the next (V57).  The grid
+is ``(B * Hkv, splits)``, every leader dispatched before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
 released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
 walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few
 walks stop for the count to fall to ``R``, every leader would walk alone to its end (2.5x the dense time at B = 32);
@@ -426,9 +446,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             release them.  Default: :func:`choose_split_plan`'s (with ``release_walks``, :func:`on_demand_plan`'s)
             when ``num_splits`` is not given, else 0.
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
-            default ``longest_stop_steps``, and its latest walk of each pair the default ``pair_walks`` where
-            the shapes agree (and neither ``num_splits``, ``follow_step`` nor ``longest_stop_steps`` is given); this
-            call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
+            default ``longest_stop_steps``, and where the shapes agree (and neither ``num_splits``, ``follow_step``,
+            ``longest_stop_steps`` nor ``release_walks`` is given) its latest walk of each pair plans the call
+            (:func:`hint_plan`): on-demand followers where those walks are lopsided, else the default
+            ``pair_walks``; this call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
         pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
             pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
             one split, the pairs expected to walk long take every split of :func:`choose_pair_plan` (module
@@ -438,7 +459,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
             whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
             count, follow step and release step of :func:`on_demand_plan`, which also suggests this count.  Not with
-            ``pair_walks`` or ``walk_hint``.
+            ``pair_walks``.
         release_step: with ``release_walks``, the leader's step from which it releases its followers whatever the
             count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
             which too few walks stop does not walk alone to the end.  Default: :func:`on_demand_plan`'s when
@@ -496,9 +517,6 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         if art is None or pair_walks is not None:
             raise ValueError("release_walks releases the followers of monitored walks: it needs art and no "
                              "pair_walks")
-        if walk_hint is not None:
-            raise ValueError("release_walks cannot record into walk_hint: a released pair's steps do not tell how "
-                             "long its walk ran (the release step is not among them)")
     if release_step is not None:
         check_count(release_step, "release_step", 0, unit="blocks")
         if release_walks is None:
@@ -512,9 +530,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                                "happen at capture time); pass longest_stop_steps=hint.steps to a captured call")
         hinted = walk_hint.pair_walks
         if (pair_walks is None and longest_stop_steps is None and art is not None and num_splits is None
-                and follow_step is None and hinted is not None and tuple(hinted.walks.shape) == (batch, kv_heads)
-                and hinted.walks.device == q.device):
-            pair_walks = hinted
+                and follow_step is None and release_walks is None and hinted is not None
+                and tuple(hinted.walks.shape) == (batch, kv_heads) and hinted.walks.device == q.device):
+            planned = hint_plan(hinted, max_steps, head_dim, q.device, art)
+            pair_walks, release_walks = planned.get("pair_walks"), planned.get("release_walks")
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if pair_walks is not None:
@@ -614,7 +633,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, num_warps=num_warps,
         num_stages=num_stages)
     if walk_hint is not None and monitored:
-        walk_hint.record(steps, follow_step=follow_step)
+        walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     return results[0] if len(results) == 1 else results
 
@@ -748,28 +767,44 @@ def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[in
     walk that shares the bandwidth and then runs alone does.  The cheapest wins, if it costs at most
     ``PAIR_SPLIT_MAX_COST`` of the single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81,
     took 0.85 of the single walks' time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
+    return cheapest_pair_plan(sorted_walks, max_steps, head_dim, sms)[0]
+
+
+def cheapest_pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[tuple[int, int], float]:
+    """:func:`pair_plan`'s ``(num_splits, threshold)`` and its cost in lone monitored steps (that of the single walks
+    where it splits no pair)."""
     rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
     walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
+    single_cost = walks[-1] + sum(walks) / rate
     splits = min(MAX_SPLITS, -(-max_steps // PAIR_SPLIT_RANGE))
     if splits < 2:
-        return 1, walks[-1]
+        return (1, walks[-1]), single_cost
     split_range = -(-max_steps // splits)
-    best_cost, best, single_cost = None, None, None
+    best_cost, best = None, None
     loaded = 0
-    for i, threshold in enumerate(walks):
+    for i, threshold in enumerate(walks[:-1]):
         loaded += threshold
-        if i + 1 < len(walks) and walks[i + 1] == threshold:
+        if walks[i + 1] == threshold:
             continue
-        split_pairs = len(walks) - i - 1
-        if split_pairs == 0:   # the single walks alone
-            single_cost = threshold + loaded / rate
-            continue
-        cost = max(threshold, split_range) + (loaded + split_pairs * max_steps) / rate
+        cost = max(threshold, split_range) + (loaded + (len(walks) - i - 1) * max_steps) / rate
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, (splits, threshold)
     if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
-        return 1, walks[-1]
-    return best
+        return (1, walks[-1]), single_cost
+    return best, best_cost
+
+
+def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, art: ARTParams) -> dict:
+    """The keywords that a call of ``pair_walks``' ``[B, Hkv]`` pairs takes from a ``walk_hint`` whose latest walks
+    are ``pair_walks`` (a :class:`kernels.pair_walks.PairWalks`; module docstring, *the hint's plan*):
+    ``{"release_walks": R}`` of :func:`on_demand_plan` where :func:`pair_plan` would split the pairs expected to walk
+    long and the dense walk would not end before that plan does (:func:`dense_walk_ends_first`), else
+    ``{"pair_walks": pair_walks}``."""
+    batch, kv_heads = pair_walks.walks.shape
+    (num_splits, _), cost = cheapest_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(device))
+    if num_splits > 1 and not dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, cost):
+        return {"release_walks": on_demand_plan(max_steps, device, art)["release_walks"]}
+    return {"pair_walks": pair_walks}
 
 
 def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:

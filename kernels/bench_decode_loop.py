@@ -10,9 +10,9 @@ inputs:
 
 * ``art_dense``: ``art=None`` at its defaults;
 * ``art``: the thresholds at the default split rule (no hint);
-* ``art_previous_step``: ``pair_walks`` (each pair's walk, and with it the longest) from a
-  :class:`kernels.walk_hint.LongestWalkHint` that recorded the previous step's ``art_previous_step`` call (none at
-  the first step): what a decode loop gets;
+* ``art_previous_step``: the plan that a :class:`kernels.walk_hint.LongestWalkHint` which recorded the previous
+  step's ``art_previous_step`` call gives (:func:`kernels.art_decode.hint_plan`; none at the first step): each
+  pair's walk as ``pair_walks``, or on-demand followers where those walks are lopsided: what a decode loop gets;
 * ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do);
 * ``art_on_demand``: on-demand followers at :func:`kernels.art_decode.on_demand_plan`'s plan for the length (no hint:
   each leader releases its followers once few walks of the launch are left).
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import ART_BLOCK_SIZE, art_decode, on_demand_plan
+from .art_decode import ART_BLOCK_SIZE, art_decode, hint_plan, on_demand_plan
 from .art_params import ARTParams
 from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture,
                     time_interleaved)
@@ -55,35 +55,43 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
     """One row per (decode step, implementation) of the captured layer at ``path`` tiled to ``seqlen`` tokens for
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
     ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits) and ``loaded_fraction``
-    (ART rows), and ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, as lists, or None) with their longest,
-    ``longest_stop_steps``; the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks`` and
+    (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
+    their longest, ``longest_stop_steps``, and ``on_demand`` (whether the hint's plan took on-demand followers, then
+    with their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks`` and
     ``loaded_fraction``."""
     hint = LongestWalkHint()
-    on_demand = on_demand_plan(math.ceil(seqlen / ART_BLOCK_SIZE), device, art)
+    blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
+    on_demand = on_demand_plan(blocks, device, art)
     rows = []
     for step in range(decode_query_shape(path)[2]):
         q, k, v = tiled_capture(path, batch, seqlen, device, step=step)
         _, single = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
-        hints = {"art": None, "art_previous_step": hint.pair_walks,
-                 "art_calibrated": PairWalks.from_walks(single[..., 0])}
+        hinted = hint.pair_walks
+        plans = {"art": {},
+                 "art_previous_step": {} if hinted is None else hint_plan(hinted, blocks, k.shape[-1], device, art),
+                 "art_calibrated": {"pair_walks": PairWalks.from_walks(single[..., 0])}}
         calls = {"art_dense": lambda: art_decode(q, k, v)}
-        calls.update({impl: (lambda given=given: art_decode(q, k, v, art=art, pair_walks=given))
-                      for impl, given in hints.items()})
+        calls.update({impl: (lambda plan=plan: art_decode(q, k, v, art=art, **plan)) for impl, plan in plans.items()})
         calls["art_on_demand"] = lambda: art_decode(q, k, v, art=art, **on_demand)
         timings = time_interleaved(calls, rep_ms, rounds, device)
         for impl in IMPLS:
             row = {"step": step, "impl": impl, **timings[impl]}
-            if impl in hints:
-                given = hints[impl]
-                _, steps = art_decode(q, k, v, art=art, pair_walks=given, return_stats=True,
+            if impl in plans:
+                plan = plans[impl]
+                _, steps = art_decode(q, k, v, art=art, return_stats=True, **plan,
                                       walk_hint=hint if impl == "art_previous_step" else None)
-                longest = None if given is None else given.sorted_walks[-1]
-                pair_plan = None if given is None else bench_pair_plan(q, k, art, given)
-                row.update(longest_stop_steps=longest, pair_walks=None if given is None else given.walks.tolist(),
-                           num_splits=steps.shape[-1],
-                           follow_step=default_follow_step(q, k, art, longest),
+                told = hinted if impl == "art_previous_step" else plan.get("pair_walks")
+                hint_on_demand = "release_walks" in plan
+                pair_plan = None if "pair_walks" not in plan else bench_pair_plan(q, k, art, plan["pair_walks"])
+                longest = None if told is None else told.sorted_walks[-1]
+                row.update(longest_stop_steps=longest, pair_walks=None if told is None else told.walks.tolist(),
+                           num_splits=steps.shape[-1], on_demand=hint_on_demand,
+                           follow_step=(on_demand["follow_step"] if hint_on_demand
+                                        else default_follow_step(q, k, art, longest)),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
+                if hint_on_demand:
+                    row.update(release_walks=plan["release_walks"])
             elif impl == "art_on_demand":
                 _, steps = art_decode(q, k, v, art=art, return_stats=True, **on_demand)
                 row.update(on_demand, loaded_fraction=loaded_fraction(steps, seqlen))
@@ -93,9 +101,9 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
 
 def loop_summary(rows: list[dict]) -> dict:
     """Per implementation, the sum of its steps' ``ms`` (``total_ms``), each ART total over ``art_dense``'s
-    (``default_over_dense``, ``previous_step_over_dense``, ``calibrated_over_dense``, ``on_demand_over_dense``), and
-    the steps whose previous-step hint took the calibrated split count (``previous_step_same_splits`` of
-    ``steps``)."""
+    (``default_over_dense``, ``previous_step_over_dense``, ``calibrated_over_dense``, ``on_demand_over_dense``), the
+    steps whose previous-step hint took the calibrated split count (``previous_step_same_splits`` of ``steps``), and
+    those whose hint took on-demand followers (``previous_step_on_demand``)."""
     totals = {impl: sum(r["ms"] for r in rows if r["impl"] == impl) for impl in IMPLS}
     splits = {(r["step"], r["impl"]): r["num_splits"] for r in rows if "num_splits" in r}
     steps = sorted({r["step"] for r in rows})
@@ -106,6 +114,7 @@ def loop_summary(rows: list[dict]) -> dict:
             "on_demand_over_dense": totals["art_on_demand"] / totals["art_dense"],
             "previous_step_same_splits": sum(splits[(s, "art_previous_step")] == splits[(s, "art_calibrated")]
                                              for s in steps),
+            "previous_step_on_demand": sum(bool(r.get("on_demand")) for r in rows if r["impl"] == "art_previous_step"),
             "steps": len(steps)}
 
 

@@ -16,10 +16,11 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
     ...                                                          # in each decode step, for each layer
     out = art_decode(q, k, v, art=art, walk_hint=hints[layer])
 
-``art_decode`` takes the hint's latest walk as ``longest_stop_steps``, and its latest walk of each pair as
-``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`), and records the call's
-walks into it (by hand: ``pair_walks=hint.pair_walks``, then ``hint.record(steps, follow_step=...)`` with the call's
-``return_stats`` and follow step).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk
+``art_decode`` takes the hint's latest walk as ``longest_stop_steps``, and plans the call from its latest walk of
+each pair (:func:`kernels.art_decode.hint_plan`): on-demand followers where those walks are lopsided, else the walks
+as ``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`); it records the call's
+walks into it (by hand: ``**hint_plan(hint.pair_walks, ...)``, then ``hint.record(steps, follow_step=...,
+on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk
 on the device and copies those ``B * Hkv`` numbers to pinned host memory without blocking; :attr:`LongestWalkHint.steps`
 and :attr:`LongestWalkHint.pair_walks` take the latest record whose copy has landed (event queries, never a wait)
 and otherwise keep the values before it.  The hint lags by
@@ -81,17 +82,18 @@ class LongestWalkHint:
         self._pair_walks = PairWalks.of(walks, host, order)
         self._steps = self._pair_walks.sorted_walks[-1]
 
-    def record(self, steps: torch.Tensor, follow_step: int = 0) -> None:
-        """Take the longest walk of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with
-        ``follow_step`` (``art_decode``'s, 0 without deferred followers).  On a CUDA device the reduction and a
-        non-blocking copy to pinned memory are queued on the current stream; on the CPU the value is taken at once.
-        Not inside a CUDA-graph capture (a replay would not record)."""
+    def record(self, steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False) -> None:
+        """Take the walks of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with ``follow_step``
+        (``art_decode``'s, 0 without deferred followers) and, with ``on_demand``, on-demand followers
+        (:func:`pair_walk_lengths`).  On a CUDA device the reduction and a non-blocking copy to pinned memory are
+        queued on the current stream; on the CPU the value is taken at once.  Not inside a CUDA-graph capture (a
+        replay would not record)."""
         if not isinstance(steps, torch.Tensor) or steps.dim() != 3 or steps.dtype != torch.int32 or steps.numel() == 0:
             described = (f"{tuple(steps.shape)} {steps.dtype}" if isinstance(steps, torch.Tensor)
                          else type(steps).__name__)
             raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
         check_count(follow_step, "follow_step", 0)
-        walks = pair_walk_lengths(steps, follow_step)
+        walks = pair_walk_lengths(steps, follow_step, on_demand)
         if steps.device.type != "cuda":
             self._pending.clear()
             self._set(walks, walks)
@@ -107,11 +109,16 @@ class LongestWalkHint:
         self._pending.append((walks, host, order, landed))
 
 
-def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:
+def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False) -> torch.Tensor:
     """Each ``(b, kv_head)``'s walk (``[B, Hkv]`` int32 on ``steps``' device) of a call's ``steps [B, Hkv, splits]``
     made with ``follow_step``, counted as :class:`LongestWalkHint` describes.  A call with per-pair splits counts the
-    same way: a pair walked alone has its whole walk in its leader's range."""
+    same way: a pair walked alone has its whole walk in its leader's range.  A call with on-demand followers
+    (``on_demand``) counts each pair's blocks, all its programs' together: a pair whose followers were never released
+    loaded its walk in its leader alone, and a released pair's count (the whole walk where its leader ran past its
+    share) is at least its walk from the release on, whose length its steps do not tell."""
     total = steps.sum(-1, dtype=torch.int32)
+    if on_demand:
+        return total.contiguous()
     leader = steps[..., 0]
     return torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader).contiguous()
 

@@ -375,9 +375,6 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
             art_decode(q, k, v, art=params, **bad)
     with pytest.raises(ValueError, match="needs art"):
         art_decode(q, k, v, release_walks=4)
-    from kernels.walk_hint import LongestWalkHint
-    with pytest.raises(ValueError, match="cannot record into walk_hint"):
-        art_decode(q, k, v, art=params, num_splits=3, release_walks=4, walk_hint=LongestWalkHint())
 
 
 def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, record_decode_launches):

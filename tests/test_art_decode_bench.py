@@ -539,6 +539,7 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     import kernels.bench as bench
     import kernels.bench_decode_loop as loop
     from art_analysis.synthetic import synthetic_cache
+    from kernels.art_decode import hint_plan
     from kernels.art_params import ARTParams
     from kernels.pair_walks import PairWalks
     from kernels.walk_hint import longest_walk, pair_walk_lengths
@@ -558,7 +559,13 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     art = ARTParams(tau=1e-2, phi=1e-3, patience=2)
     cpu = torch.device("cpu")
+    # the hint's plan of step 1 is hint_plan's; step 2's is taken as on-demand followers, whatever its walks
+    hint_plans = []
+    monkeypatch.setattr(loop, "hint_plan", lambda *args: hint_plans.append(args) or (
+        hint_plan(*args) if len(hint_plans) == 1 else {"release_walks": 3}))
     rows = loop.decode_loop(path, 4, 2048, art=art, rep_ms=1, device=cpu, rounds=2)
+    assert len(hint_plans) == 2
+    hinted_on_demand = []
     assert [(r["step"], r["impl"]) for r in rows] == [(s, impl) for s in range(3) for impl in loop.IMPLS]
     by_key = {(r["step"], r["impl"]): r for r in rows}
     # each step's five calls are timed in two interleaved rounds: 5 graph times, then 5 more
@@ -575,10 +582,15 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
         assert by_key[(step, "art_calibrated")]["pair_walks"] == single[..., 0].tolist()
         assert by_key[(step, "art_calibrated")]["longest_stop_steps"] == int(single[..., 0].max())
         told = by_key[(step, "art_previous_step")]["pair_walks"]
-        given = None if told is None else PairWalks.from_walks(torch.tensor(told))
-        _, steps = bench.art_decode(q, k, v, art=art, pair_walks=given, return_stats=True)
-        assert by_key[(step, "art_previous_step")]["num_splits"] == steps.shape[-1]
-        assert by_key[(step, "art_previous_step")]["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
+        plan = ({} if told is None else {"release_walks": 3} if step == 2
+                else hint_plan(PairWalks.from_walks(torch.tensor(told)), 32, 64, cpu, art))
+        previous = by_key[(step, "art_previous_step")]
+        assert previous["on_demand"] == ("release_walks" in plan) and previous.get("release_walks") == plan.get(
+            "release_walks")
+        hinted_on_demand.append(previous["on_demand"])
+        _, previous_steps = bench.art_decode(q, k, v, art=art, return_stats=True, **plan)
+        assert previous["num_splits"] == previous_steps.shape[-1]
+        assert previous["loaded_fraction"] == bench.loaded_fraction(previous_steps, 2048)
         # on-demand followers at the length's plan (one multiprocessor here: 2 pairs released at 4 splits)
         plan = by_key[(step, "art_on_demand")]
         assert {key: plan[key] for key in ("num_splits", "follow_step", "release_walks")} == {
@@ -586,8 +598,9 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
         _, steps = bench.art_decode(q, k, v, art=art, num_splits=4, follow_step=6, release_walks=2, return_stats=True)
         assert plan["loaded_fraction"] == bench.loaded_fraction(steps, 2048)
         if step < 2:   # the next step is told this step's walks
-            assert by_key[(step + 1, "art_previous_step")]["pair_walks"] == pair_walk_lengths(steps).tolist()
-            assert by_key[(step + 1, "art_previous_step")]["longest_stop_steps"] == int(longest_walk(steps))
+            walks = pair_walk_lengths(previous_steps, on_demand=previous["on_demand"])
+            assert by_key[(step + 1, "art_previous_step")]["pair_walks"] == walks.tolist()
+            assert by_key[(step + 1, "art_previous_step")]["longest_stop_steps"] == int(walks.max())
     assert len({by_key[(s, "art_calibrated")]["longest_stop_steps"] for s in range(3)}) > 1   # the walks move
     summary = loop.loop_summary(rows)
     assert summary["total_ms"]["art_dense"] == sum(by_key[(s, "art_dense")]["ms"] for s in range(3))
@@ -597,3 +610,4 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     assert summary["previous_step_same_splits"] == sum(
         by_key[(s, "art_previous_step")]["num_splits"] == by_key[(s, "art_calibrated")]["num_splits"]
         for s in range(3)) and summary["steps"] == 3
+    assert hinted_on_demand[2] and summary["previous_step_on_demand"] == sum(hinted_on_demand)

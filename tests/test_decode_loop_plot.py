@@ -49,6 +49,17 @@ def test_loops_of_their_own_batch_told_each_walk_say_so():
     assert "ART, told the previous step's walks" in {line.get_label() for line in fig.axes[0].lines}
 
 
+def test_hinted_steps_that_took_on_demand_followers_say_so():
+    payload = _payload()
+    rows = payload["loops"][0]["rows"]
+    hinted = [r for r in rows if r["impl"] == "art_previous_step"]
+    hinted[2].update(on_demand=True, num_splits=16)
+    hinted[1].update(on_demand=False)
+    texts = sorted(text.get_text() for text in decode_loop_figure(payload).axes[0].texts)
+    # the default's three steps and the hint's first took 1 split; the hint's last step took on-demand followers
+    assert texts == ["1 split"] * 4 + ["on demand"]
+
+
 def test_module_writes_the_figure_from_the_benchmark_json(tmp_path):
     source = tmp_path / "loop.json"
     source.write_text(json.dumps(_payload()))

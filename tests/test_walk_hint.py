@@ -7,7 +7,8 @@ import torch
 
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig
-from kernels.art_decode import art_decode, earliest_stop_steps
+from kernels.art_decode import art_decode, earliest_stop_steps, hint_plan, on_demand_plan
+from kernels.pair_walks import PairWalks
 from kernels.walk_hint import LongestWalkHint
 
 ART = ARTConfig().kernel_params()
@@ -127,6 +128,8 @@ def test_the_hint_carries_each_pairs_walk_and_a_call_of_that_shape_takes_it(reco
     assert hint.pair_walks.walks.tolist() == [[40, 128, 128]]
     q, k, v = (torch.zeros(1, 6, 64, dtype=torch.float16), *[torch.zeros(1, 3, 8192, 64, dtype=torch.float16)] * 2)
     launches = record_decode_launches()
+    # walks whose split would cost more than the dense walk (most blocks are walked): the pair walks, not on demand
+    hint.record(stats([90, 0, 0], [90, 0, 0], [128, 0, 0]))
     art_decode(q, k, v, art=ART, walk_hint=hint)                           # [1, 3] pairs: takes the pair walks
     art_decode(q[:, :4], k[:, :2], v[:, :2], art=ART, walk_hint=hint)      # [1, 2] pairs: the longest only
     art_decode(q, k, v, art=ART, walk_hint=hint, longest_stop_steps=40)    # told the longest: no pair walks
@@ -135,4 +138,56 @@ def test_the_hint_carries_each_pairs_walk_and_a_call_of_that_shape_takes_it(reco
     # the recorded walks' launch order (longest first) goes to the call that takes them, and to no other
     assert [call.kwargs["LONGEST_FIRST"] for call in launches.calls] == [True, False, False]
     order = launches.calls[0].args[launches.kernel.arg_names.index("order_ptr")]
-    assert order.tolist() == [1, 2, 0]   # walks [40, 128, 128]
+    assert order.tolist() == [2, 0, 1]   # walks [90, 90, 128]
+    assert not any(call.kwargs["ON_DEMAND"] for call in launches.calls)
+
+
+def test_a_hint_of_lopsided_walks_takes_on_demand_followers(record_decode_launches):
+    """Walks of which a few run far longer than the rest, where the dense walk would take longer than splitting the
+    long ones, take on-demand followers from a hint (told the same walks as ``pair_walks``, the call splits those
+    pairs); walks that end about together, or that cover most blocks, do not.  The plan is ``hint_plan``'s."""
+    q, k, v = (torch.zeros(1, 6, 64, dtype=torch.float16), *[torch.zeros(1, 3, 8192, 64, dtype=torch.float16)] * 2)
+    cpu = torch.device("cpu")
+    lopsided, even, full = (PairWalks.from_walks(torch.tensor(w, dtype=torch.int32))
+                            for w in ([[40, 128, 128]], [[38, 40, 41]], [[90, 90, 128]]))
+    release = on_demand_plan(128, cpu, ART)["release_walks"]
+    assert hint_plan(lopsided, 128, 64, cpu, ART) == {"release_walks": release}
+    assert hint_plan(even, 128, 64, cpu, ART) == {"pair_walks": even}
+    assert hint_plan(full, 128, 64, cpu, ART) == {"pair_walks": full}
+    launches = record_decode_launches()
+    hint = LongestWalkHint()
+    hint.record(lopsided.walks[..., None])
+    art_decode(q, k, v, art=ART, walk_hint=hint)
+    art_decode(q, k, v, art=ART, pair_walks=lopsided)                      # told the walks: per-pair splits
+    hint.record(even.walks[..., None])
+    art_decode(q, k, v, art=ART, walk_hint=hint)
+    on_demand, told, ended_together = launches.calls
+    assert on_demand.kwargs["ON_DEMAND"] and not on_demand.kwargs["PAIR_GATES"] and not on_demand.kwargs[
+        "LONGEST_FIRST"]
+    assert on_demand.args[launches.kernel.arg_names.index("pair_limit")] == release
+    assert on_demand.grid == (3, on_demand_plan(128, cpu, ART)["num_splits"])
+    assert told.kwargs["PAIR_GATES"] and not told.kwargs["ON_DEMAND"]
+    assert not ended_together.kwargs["ON_DEMAND"] and ended_together.kwargs["LONGEST_FIRST"]
+
+
+def test_on_demand_calls_record_each_pairs_blocks(record_decode_launches):
+    """A pair whose followers were never released walked in its leader alone; a released one counts every block its
+    programs loaded.  A real on-demand call given the hint records so, and the next call takes the plan of those
+    walks."""
+    hint = LongestWalkHint()
+    hint.record(stats([30, 0, 0, 0], [128, 0, 0, 0], [80, 16, 16, 16]), on_demand=True)
+    assert hint.pair_walks.walks.tolist() == [[30, 128, 128]] and hint.steps == 128
+    q, k, v = _inputs(torch.device("cpu"), torch.float16, 4096)                     # 64 blocks, 4 pairs
+    _, single = art_decode(q, k, v, art=ART, num_splits=1, return_stats=True)
+    _, steps = art_decode(q, k, v, art=ART, num_splits=3, follow_step=30, release_walks=4, walk_hint=hint,
+                          return_stats=True)
+    walks = single[..., 0]
+    released = steps[..., 1:].any(-1)
+    assert bool(released.any()) and not bool(released.all())
+    assert torch.equal(steps[~released][..., 0], walks[~released])                  # the single walks
+    assert hint.pair_walks.walks.tolist() == steps.sum(-1).tolist()
+    assert torch.equal(hint.pair_walks.walks[released], torch.full_like(walks[released], 64))   # ran past its share
+    launches = record_decode_launches()
+    art_decode(q, k, v, art=ART, walk_hint=hint)
+    assert launches.calls[0].kwargs["ON_DEMAND"] == ("release_walks" in hint_plan(hint.pair_walks, 64, 64,
+                                                                                  torch.device("cpu"), ART))

@@ -24,7 +24,8 @@ def decode_loop_figure(payload: dict):
     """One panel per loop (``payload["loops"]``: ``batch`` (else the payload's), ``seqlen``, ``rows`` of ``step``,
     ``impl``, ``ms`` and, for ART, ``num_splits``): milliseconds per decode step, one line per implementation timed
     (``STYLES``), each
-    ART point labelled with its split count where it differs from the step's calibrated one.  The hinted rows were
+    ART point labelled with its split count where it differs from the step's calibrated one, or "on demand" where
+    the hint's plan took on-demand followers (``on_demand``).  The hinted rows were
     told each pair's walk where they record ``pair_walks`` (else, in runs before V44, the longest walk)."""
     loops = payload["loops"]
     told = "walks" if any("pair_walks" in r for loop in loops for r in loop["rows"]) else "longest walk"
@@ -40,8 +41,9 @@ def decode_loop_figure(payload: dict):
                 walks=told)})
             if impl in ("art", "art_previous_step"):
                 for r in mine:
-                    if r.get("num_splits") != calibrated.get(r["step"]):
-                        ax.annotate(f"{r['num_splits']} split{'s' if r['num_splits'] != 1 else ''}",
+                    if r.get("on_demand") or r.get("num_splits") != calibrated.get(r["step"]):
+                        ax.annotate("on demand" if r.get("on_demand") else
+                                    f"{r['num_splits']} split{'s' if r['num_splits'] != 1 else ''}",
                                     (r["step"], r["ms"]), fontsize=7, color=style["color"],
                                     textcoords="offset points", xytext=(4, 4))
         summary = loop.get("summary", {})
