@@ -542,7 +542,7 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     from kernels.art_decode import hint_plan
     from kernels.art_params import ARTParams
     from kernels.pair_walks import PairWalks
-    from kernels.walk_hint import longest_walk, pair_walk_lengths
+    from kernels.walk_hint import pair_walk_lengths
 
     # two captured sequences of 700 tokens, three decode queries each
     cache = synthetic_cache(batch=2, num_q_heads=6, num_kv_heads=2, seqlen=700, head_dim=64, seed=5)

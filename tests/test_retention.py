@@ -1,11 +1,10 @@
 import pytest
 import torch
 
-from art_analysis.analysis.retention import RuleAttention, compare_generation, decode_rows
+from art_analysis.analysis.retention import RuleAttention, compare_generation, decode_rows, prefill
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.cli import main
 from art_analysis.corpus import niah_prompt, passkey_prompt
-from art_analysis.models import cache_argument
 from art_analysis.policies.quest import block_score_bounds, group_block_bounds
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, FixedBudget, stop
@@ -16,22 +15,12 @@ def prompt(loaded):
     return passkey_prompt(320, depth=0.5, seed=1, tokenizer=loaded.tokenizer)
 
 
-def prefilled(model, prompt):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, logits_to_keep=1,
-                    **{cache_argument(model): cache})
-    return cache, int(out.logits[0, -1].argmax())
-
-
 def test_full_walk_in_the_decode_loop_reproduces_plain_greedy_decoding(loaded, prompt):
     model = loaded.model
     ids = torch.tensor([prompt.input_ids])
     with torch.inference_mode():
         plain = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
-    cache, first = prefilled(model, prompt)
+    cache, first = prefill(model, prompt.input_ids)
     hook = RuleAttention([None])
     tokens, logprobs = decode_rows(model, cache, [first], 5, hook)
     assert tokens[0].tolist() == plain
@@ -63,18 +52,18 @@ def test_rules_in_the_decode_loop(loaded, prompt):
 def test_rows_decode_independently_and_teacher_forcing_feeds_the_given_tokens(loaded, prompt):
     """Row r of a batch equals decoding rule r alone; a forced row sees the forced prefix."""
     model = loaded.model
-    cache, first = prefilled(model, prompt)
+    cache, first = prefill(model, prompt.input_ids)
     cache.batch_repeat_interleave(2)
     tokens, logprobs = decode_rows(model, cache, [first, first], 3, RuleAttention([None, FixedBudget(1)]))
-    alone, alone_logprobs = decode_rows(model, prefilled(model, prompt)[0], [first], 3, RuleAttention([FixedBudget(1)]))
+    alone, alone_logprobs = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3, RuleAttention([FixedBudget(1)]))
     assert torch.equal(tokens[1], alone[0])
     torch.testing.assert_close(logprobs[1], alone_logprobs[0], rtol=1e-4, atol=1e-4)
     assert not torch.equal(tokens[0], tokens[1]), "one block of five should change the greedy tokens"
-    forced_tokens, forced = decode_rows(model, prefilled(model, prompt)[0], [first], 3, RuleAttention([FixedBudget(1)]),
+    forced_tokens, forced = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3, RuleAttention([FixedBudget(1)]),
                                         forced=tokens[0].tolist())
     # Step by step on the dense tokens: the same numbers.
     replay = []
-    cache = prefilled(model, prompt)[0]
+    cache = prefill(model, prompt.input_ids)[0]
     for fed in tokens[0, :3].tolist():
         replay.append(decode_rows(model, cache, [fed], 1, RuleAttention([FixedBudget(1)]))[1][0, 0])
     torch.testing.assert_close(forced[0], torch.stack(replay))

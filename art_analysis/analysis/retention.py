@@ -96,6 +96,18 @@ class RuleAttention:
         return output.to(query.dtype)[:, None], None
 
 
+def prefill(model, input_ids: Sequence[int]):
+    """The dense prefill of one prompt's ``input_ids``: ``(cache, first_token)``, the model's KV cache (a
+    ``DynamicCache``, for :func:`decode_rows`) and its greedy next token."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(input_ids)]), use_cache=True, logits_to_keep=1,
+                    **{cache_argument(model): cache})
+    return cache, int(out.logits[0, -1].argmax())
+
+
 def decode_rows(model, cache, first_tokens: Sequence[int], steps: int, hook: RuleAttention,
                 forced: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``steps`` tokens for every row of a prefilled ``cache`` (consumed), greedily or, with
@@ -160,15 +172,9 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         raise ValueError("prompts must carry input_ids: build them with the model's tokenizer")
     rules = {"dense": None, **{name: rule for name, rule in rules.items() if name != "dense"}}
     names, steps = list(rules), max_new_tokens - 1
-    from transformers import DynamicCache
-
     records = []
     for prompt in tqdm(prompts, desc=f"retention ({order})", leave=False, disable=not progress):
-        cache = DynamicCache()
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, logits_to_keep=1,
-                        **{cache_argument(model): cache})
-        first = int(out.logits[0, -1].argmax())
+        cache, first = prefill(model, prompt.input_ids)
         needle = (prompt.needle_start, prompt.needle_end) if prompt.unit == "tokens" else None
         hook = RuleAttention([rules[n] for n in names], block_size=block_size, order=order, needle=needle)
         tokens, logprobs = decode_rows(model, _repeated(cache, len(names)), [first] * len(names), steps, hook)

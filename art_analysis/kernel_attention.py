@@ -1,0 +1,100 @@
+"""A transformers model's decode attention through the ART Triton kernel (``kernels.art_decode``).
+
+:func:`kernel_attention` routes every decode call (query length 1) of every layer through ``art_decode`` with the
+given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hint.LongestWalkHint` per layer
+carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
+on-demand followers where they are lopsided, :func:`kernels.art_decode.hint_plan`).  Prefill calls run the model's
+own attention.  The hook records the blocks each layer's calls loaded::
+
+    with kernel_attention(model, ARTConfig()) as attention:
+        model.generate(input_ids, max_new_tokens=32)
+    attention.loaded_fraction()          # {layer: mean share of the KV blocks the decode calls loaded}
+
+Where :class:`art_analysis.analysis.retention.RuleAttention` computes the same rule with the simulator,
+this is what a served model runs: the kernel's float32 online recurrence, its plan and its loads.  The kernel reads
+each sequence's first ``cache_seqlens`` keys, so a batch must not be padded (every row's cache full length); on
+the CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported), whose bf16 dot
+is wrong: run the model in float32 or float16 there.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .attention_override import override_attention
+from .termination import ARTConfig
+
+KERNEL_ATTENTION_TAG = "art_kernel"
+
+
+@dataclass
+class KernelAttention:
+    """The attention hook of :func:`kernel_attention` (for :func:`art_analysis.attention_override.override_attention`).
+
+    ``art``: the rule (an :class:`~art_analysis.termination.ARTConfig` or ``kernels.art_params.ARTParams``), or
+    ``None`` for the kernel's dense walk; ``order``: the blocks' traversal order; ``walk_hints``: carry each layer's
+    walks to its next call.  ``loaded[layer]`` holds, per decode call of that layer, the blocks its programs loaded
+    over the cache's blocks (``return_stats``; 1.0 for dense calls)."""
+
+    art: object = None
+    order: str = "sink_recency"
+    walk_hints: bool = True
+    loaded: dict = field(default_factory=dict, init=False)
+    hints: dict = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        from kernels.art_params import ARTParams
+
+        if isinstance(self.art, ARTConfig):
+            self.art = self.art.kernel_params()
+        if self.art is not None and not isinstance(self.art, ARTParams):
+            raise TypeError(f"art must be an ARTConfig, a kernels.art_params.ARTParams or None, got "
+                            f"{type(self.art).__name__}")
+
+    def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if query.shape[2] != 1:
+            return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        from kernels.art_decode import ART_BLOCK_SIZE, art_decode, dense_block_size
+        from kernels.walk_hint import LongestWalkHint
+
+        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+            raise ValueError("kernel_attention runs full causal attention: layers with a sliding window or logit "
+                             "soft-capping are not supported")
+        _check_unpadded(attention_mask, key.shape[2])
+        layer = getattr(module, "layer_idx", None)
+        hint = None
+        if self.walk_hints and self.art is not None:
+            hint = self.hints.setdefault(layer, LongestWalkHint())
+        out, steps = art_decode(query[:, :, 0], key, value, sm_scale=scaling, art=self.art, order=self.order,
+                                walk_hint=hint, return_stats=True)
+        blocks = -(-key.shape[2] // (ART_BLOCK_SIZE if self.art is not None else dense_block_size(None)))
+        self.loaded.setdefault(layer, []).append(float(steps.sum()) / (steps.shape[0] * steps.shape[1] * blocks))
+        return out[:, None], None
+
+    def loaded_fraction(self) -> dict:
+        """``{layer: mean loaded share over its decode calls}``."""
+        return {layer: sum(shares) / len(shares) for layer, shares in self.loaded.items()}
+
+
+def _check_unpadded(attention_mask, keys: int) -> None:
+    """Refuse a decode mask that hides any of the ``keys`` cached keys (a padded batch)."""
+    if attention_mask is None:
+        return
+    mask = attention_mask[..., -keys:]
+    hidden = ~mask if mask.dtype == torch.bool else mask < 0
+    if bool(hidden.any()):
+        raise ValueError("kernel_attention needs a batch without padding: the kernel reads each row's first "
+                         "cache_seqlens keys, and this decode mask hides some of the cached keys")
+
+
+@contextmanager
+def kernel_attention(model, art=None, *, order: str = "sink_recency",
+                     walk_hints: bool = True) -> Iterator[KernelAttention]:
+    """Route ``model``'s decode attention through ``kernels.art_decode`` with ``art`` (module docstring) for the
+    duration of the block; yields the :class:`KernelAttention` hook, whose ``loaded`` the calls fill."""
+    hook = KernelAttention(art=art, order=order, walk_hints=walk_hints)
+    with override_attention(model, hook, KERNEL_ATTENTION_TAG):
+        yield hook
