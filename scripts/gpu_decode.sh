@@ -19,6 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
     | tee "$out_dir/decode_gpu_state.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     python3 -m pytest -q -m gpu -s tests/test_art_decode.py tests/test_art_decode_errors.py tests/test_walk_hint.py \
+        tests/test_kernel_attention.py \
         tests/test_art_decode_compiles.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
 fi
 memcheck_run='

@@ -82,3 +82,30 @@ def test_bad_input_is_refused():
     called = []
     hook(lambda *args, **kwargs: called.append(args[1].shape), None, torch.zeros(1, 4, 5, 64), key, value, None)
     assert called == [(1, 4, 5, 64)]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_kernel_decodes_a_bf16_model_like_its_own_attention():
+    """A randomly initialised Llama with SmolLM2's attention shapes (9 / 3 heads, D = 64), bf16 on the GPU, B = 4
+    rows of 8k tokens: decoding through the dense kernel picks the model's own tokens, and ART with its walk hints
+    (recorded on the device without a sync) decodes every step of every layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=16384,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (4, 8192), device="cuda")
+    mask = torch.ones_like(ids)
+    generated = {}
+    for name, attention in (("model", contextlib.nullcontext()), ("dense", kernel_attention(model)),
+                            ("art", kernel_attention(model, ARTConfig()))):
+        with attention as hook, torch.inference_mode():
+            generated[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                             pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(generated["dense"], generated["model"])
+    assert sorted(hook.loaded) == [0, 1] and all(len(shares) == 4 for shares in hook.loaded.values())
+    assert all(0 < share <= 1 for shares in hook.loaded.values() for share in shares)
+    torch.cuda.synchronize()
+    assert hook.hints[0].pair_walks.walks.shape == (4, 3)
