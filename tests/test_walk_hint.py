@@ -193,3 +193,26 @@ def test_on_demand_calls_record_each_pairs_blocks(record_decode_launches):
     launches = record_decode_launches()
     art_decode(q, k, v, art=ART, walk_hint=hint)
     assert launches.calls[0].kwargs["ON_DEMAND"] == ("release_walks" in planned)
+
+
+def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_on_demand(monkeypatch):
+    """On 132 multiprocessors (the H200's), the simulator's walks of the synthetic 32/8 caches at 8k (ARTConfig(),
+    30-65 blocks, about together) never take on-demand followers from a hint, at B = 1 to 128; with a few pairs
+    walking the whole cache at B = 128 they do."""
+    import kernels.art_decode as art_decode_module
+    from art_analysis.blockwise import blockwise_attention
+    from art_analysis.termination import stop
+
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    cache = synthetic_cache(batch=2, num_q_heads=32, num_kv_heads=8, seqlen=8192, head_dim=128, preset="realistic",
+                            dtype=torch.float32)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, order="sink_recency", mode="kernel")
+    walks = (stop(trace, ARTConfig()).stop_step.view(2, 8, 4).amax(-1) + 1).to(torch.int32)
+    assert 25 <= int(walks.min()) and int(walks.max()) <= 70
+    for batch in (1, 8, 32, 128):
+        tiled = PairWalks.from_walks(walks.repeat(max(1, batch // 2), 1)[:batch].contiguous())
+        assert hint_plan(tiled, 128, 128, cpu, ART) == {"pair_walks": tiled}, batch
+    lopsided = walks.repeat(64, 1)
+    lopsided[:4] = 128
+    assert "release_walks" in hint_plan(PairWalks.from_walks(lopsided), 128, 128, cpu, ART)
