@@ -70,7 +70,7 @@ class KernelAttention:
             hint = self.hints.setdefault(layer, LongestWalkHint())
         out, steps = art_decode(query[:, :, 0], key, value, sm_scale=scaling, art=self.art, order=self.order,
                                 walk_hint=hint, return_stats=True)
-        blocks = -(-key.shape[2] // (ART_BLOCK_SIZE if self.art is not None else dense_block_size(None)))
+        blocks = -(-key.shape[2] // (ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1])))
         self.loaded.setdefault(layer, []).append(float(steps.sum()) / (steps.shape[0] * steps.shape[1] * blocks))
         return out[:, None], None
 

@@ -81,9 +81,9 @@ not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-1
 
 ``num_splits=1`` forces the single walk.  When even the leader's range is shorter than the earliest stop
 (:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop and the call
-runs the dense walk of its split count, without the monitor, with the same result bit for bit (V15: B = 1, 8k and
-32k, 0.023 / 0.053 -> 0.021 / 0.050 ms, against 0.073 with one split at 32k; SmolLM2 B = 1, 8k and 32k, 0.016 /
-0.024 -> 0.014 / 0.022).
+runs a dense walk without the monitor: given its split count, the dense walk of that count, with the same result bit
+for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms, against 0.073 with one split at 32k; SmolLM2
+B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022), else the dense plan's (below, V61).
 
 **Deferred followers** (``follow_step``; ``benchmarks/NOTES-art-decode.md``, V41).  The followers wait (they poll
 the arrival counter, at most ``GATE_POLLS_PER_STEP`` times per follow step, after which they walk anyway, so no
@@ -257,7 +257,7 @@ the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 m
 split, at most ``MAX_SPLITS``, rounded down so that the grid does not spill a few programs
 into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured
 11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
-(96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128),
+(96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128) at ``D = 128``,
 measured best or tied at every point of the benchmark's split sweep (on the paged layout, unless a page
 holds such blocks whole, 64: :func:`dense_block_size`).  Blocks of at most
 ``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (4)
@@ -266,6 +266,31 @@ idle: co-resident programs hide each other's step latency, the monitor's above a
 ART over dense at B = 8, S = 128k: +44 % at one program per multiprocessor, +6 % at two, V7; at
 B = 8 and the SmolLM2 layer at B = 32, 0.0-2.4 % at four against 1.0-5.8 % at two, with the dense
 walk as fast or 2-4 % faster, V17).
+
+**The dense plan** (``benchmarks/NOTES-art-decode.md``, V61).  A dense call that leaves the block size and split
+count to the launcher walks 64-token blocks at ``D = 64`` on the contiguous layout (``SMALL_HEAD_DENSE_BLOCK_SIZE``),
+2 warps per program where the monitor's walks take 1, and, walking such blocks without the monitor, targets
+``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM`` programs per multiprocessor (3 at ``D = 64``, 2 at ``D = 128``) instead of
+the monitor's 4.  At ``D = 64`` a 128-token block of one program per multiprocessor left too few loads in flight:
+H200, the SmolLM2 shape (9 / 3 heads, bf16), CUDA-graph medians of 3 interleaved rounds against cuDNN SDPA in the
+same run (``-dense-plan-ab.json``, us), 128-token blocks -> the dense plan:
+
+==========  =======================  =======================  =======================
+B           8k                       32k                      128k
+==========  =======================  =======================  =======================
+1           13.3 -> 11.5 (cuDNN 13.0)  17.6 -> 17.3 (17.1)    37.0 -> 35.6 (33.6)
+8           23.1 -> 20.0 (21.1)      65.2 -> 53.6 (55.4)      225.6 -> 186.9 (189.1)
+16          37.8 -> 33.2 (32.3)      120.1 -> 99.3 (99.9)     449.1 -> 365.1 (370.0)
+128         189.2 -> 184.9 (185.1)   723.4 -> 718.8 (717.4)   2855 -> 2828 (2828)
+256         364.3 -> 368.1 (374.2)   1434 -> 1428 (1473)      5713 -> 5736 (5945)
+==========  =======================  =======================  =======================
+
+At ``D = 128`` the plan keeps 128-token blocks (64-token ones were within 2 % either way, ``-dense-sweep.json``).
+An ART call of the launcher's plan whose leader cannot stop (:func:`leader_can_stop`) runs the dense plan's walk
+of 64-token blocks, at ``D = 64`` the default dense call bit for bit (the SmolLM2 shape at B = 1 x 32k 18.6 ->
+17.4 us, at B = 2 x 32k 24.6 -> 22.1; synthetic 32 / 8 at B = 1 x 32k 41.2 -> 40.4); a call given ``num_splits``
+or ``block_size`` runs the dense walk of the configuration it chose, which keeps ``tau = phi = 0`` bit-identical to
+the dense call of that configuration.
 
 **Uniform lengths** (``benchmarks/NOTES-art-decode.md``, V11).  When every sequence has the same
 length (no ``cache_seqlens``, or equal ones: the launcher already reads their min and max), the
@@ -373,10 +398,12 @@ BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
+SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64 on the contiguous layout (V61)
 MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
+DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)
 TMA_MAX_BLOCK = 64
 MIN_SUBPAGE = 16                 # the fewest tokens of a page read as its own tile (the smallest dot operand)
 LEADER_TMA_MIN_STEPS = 32
@@ -431,9 +458,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         art: monitor settings, or ``None`` for dense attention.
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
-            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else
-            ``DENSE_BLOCK_SIZE`` (128), or ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold
-            128-token blocks whole (:func:`dense_block_size`).
+            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
+            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128), 64 at ``D = 64`` on the contiguous layout, or
+            ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold 128-token blocks whole).
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`, or with ``release_walks``
             :func:`on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
@@ -487,8 +514,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         raise ValueError(f"at most {MAX_GROUP} query heads per KV head are supported, got {group}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS} in the kernel, got {order!r}")
+    planned_walk = block_size is None and num_splits is None   # the launcher picks the walk (dense plan, V61)
     if block_size is None:
-        block_size = ART_BLOCK_SIZE if art is not None else dense_block_size(k_cache.shape[1] if paged else None)
+        block_size = ART_BLOCK_SIZE if art is not None else dense_block_size(k_cache.shape[1] if paged else None,
+                                                                             head_dim)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if art is not None and not isinstance(art, ARTParams):
@@ -563,9 +592,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     monitored = art is not None
     # with per-pair splits and on-demand followers, a leader may walk the whole range: the monitor can stop there
     whole_walks = pair_threshold is not None or release_walks is not None
+    dense_plan = planned_walk and art is None
     if art is not None and not leader_can_stop(max_steps, 1 if whole_walks else num_splits, art, follow_step):
-        art = None   # no walk can stop: the dense walk of this split count gives the same result, bit for bit
+        # no walk can stop: the dense walk gives the result; of this split count, bit for bit, where the caller
+        # chose the walk, else of the dense plan's (the default dense call's where its blocks are the monitor's)
+        art = None
         follow_step = 0
+        if planned_walk and not whole_walks:
+            num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, block_size, head_dim=head_dim)
+            dense_plan = True
 
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
     lse = _scratch((batch, q_heads), torch.float32, q.device)
@@ -599,7 +634,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     longest_first = pair_walks is not None and art is not None
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
                                            single_walks=pair_walks if longest_first and single else None,
-                                           pair_splits=pair_gates)
+                                           pair_splits=pair_gates, dense_plan=dense_plan)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -640,28 +675,37 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def dense_block_size(page_size: int | None) -> int:
-    """The dense walk's default block size (tokens): ``DENSE_BLOCK_SIZE`` on the contiguous layout
-    (``page_size=None``) and on pages that hold such blocks whole, else ``PAGED_DENSE_BLOCK_SIZE``.  A block
-    within one page takes one page-table entry and reads consecutive rows; across pages its rows are
-    gathered per token, which 64-token blocks bear best (H200, B = 32 / 128 x 32k, the default split count:
-    pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against 4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38
-    against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block 128; ``benchmarks/NOTES-art-decode.md``, V29)."""
-    if page_size is None or page_size % DENSE_BLOCK_SIZE == 0:
+def dense_block_size(page_size: int | None, head_dim: int = 128) -> int:
+    """The dense walk's default block size (tokens): on the contiguous layout (``page_size=None``)
+    ``DENSE_BLOCK_SIZE`` at ``D = 128`` and ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64``; on pages that hold
+    128-token blocks whole ``DENSE_BLOCK_SIZE``, else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes
+    one page-table entry and reads consecutive rows; across pages its rows are gathered per token, which 64-token
+    blocks bear best (H200, B = 32 / 128 x 32k, the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at
+    block 64 against 4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 /
+    4.51 at block 128; ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes
+    of ``D = 128``'s, and the contiguous walk of 64-token blocks at 2 warps, several programs per multiprocessor,
+    was the fastest at every few-pair shape measured (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us)."""
+    if page_size is None:
+        return SMALL_HEAD_DENSE_BLOCK_SIZE if head_dim == 64 else DENSE_BLOCK_SIZE
+    if page_size % DENSE_BLOCK_SIZE == 0:
         return DENSE_BLOCK_SIZE
     return PAGED_DENSE_BLOCK_SIZE
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,
-                      block_size: int = DENSE_BLOCK_SIZE) -> int:
+                      block_size: int = DENSE_BLOCK_SIZE, head_dim: int | None = None) -> int:
     """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks, dense or ART (module docstring):
-    one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (``SMALL_BLOCK_PROGRAMS_PER_SM`` for
-    blocks of at most ``TMA_MAX_BLOCK`` tokens), rounded down unless that leaves more than a quarter of the
+    one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (for blocks of at most ``TMA_MAX_BLOCK``
+    tokens ``SMALL_BLOCK_PROGRAMS_PER_SM``, or walked without the monitor, ``head_dim`` given,
+    ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]``), rounded down unless that leaves more than a quarter of the
     multiprocessors idle; at least ``MIN_STEPS_PER_SPLIT`` blocks per split.  An ART call's followers wait for
     the follow step (:func:`choose_follow_step`) before they walk."""
     programs = batch * kv_heads
     sms = _num_sms(device)
-    per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if block_size <= TMA_MAX_BLOCK else TARGET_PROGRAMS_PER_SM
+    if block_size > TMA_MAX_BLOCK:
+        per_sm = TARGET_PROGRAMS_PER_SM
+    else:
+        per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if head_dim is None else DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]
     wanted = per_sm * sms // programs
     if wanted * programs < WAVE_FILL * sms:
         wanted += 1
@@ -673,7 +717,8 @@ def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.d
     """``(num_splits, follow_step)`` of a call at the default split count: :func:`choose_num_splits`, and with ``art``
     the follow step of :func:`choose_follow_step`; a call with deferred followers keeps every program resident
     (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
-    num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size)
+    num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size,
+                                   head_dim=head_dim if art is None else None)
     follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
                                                           head_dim, longest_stop_steps=longest_stop_steps)
     if follow_step:
@@ -976,7 +1021,8 @@ def _kv_loads(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, block_s
 
 
 def _launch_config(device: torch.device, block_size: int, head_dim: int, programs: int, loads: str, *,
-                   paged: bool = False, single_walks=None, pair_splits: bool = False) -> tuple[int, int]:
+                   paged: bool = False, single_walks=None, pair_splits: bool = False,
+                   dense_plan: bool = False) -> tuple[int, int]:
     """``(num_warps, num_stages)``: on Hopper and newer, 3 K/V stages; 4 warps for the dense 128-token
     blocks; for blocks of at most ``TMA_MAX_BLOCK`` tokens (the monitor's walks) 2 warps, or 1 for
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
@@ -990,7 +1036,10 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     once per walks object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
     ``PAIR_SPLIT_STAGES`` (4) stages: 4 programs per multiprocessor instead of 6 at 3 stages (shared memory), which
     shortened the SmolLM2 layer's per-pair plans at B = 128 by 2-7 % (V46).  ART and dense calls of one shape
-    get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense.
+    get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense, except the dense plan
+    (``dense_plan``: a dense walk whose block size and split count the launcher chose), whose 64-dim tiles through
+    host descriptors take 2 warps: without the monitor's latency to hide, one warp per program left too few loads
+    in flight (V61: the SmolLM2 shape at B = 1 x 32k, 88 splits, 19.6 us at 1 warp, 17.1 at 2).
 
     The paged layout takes ``PAGE_TABLE_STAGES`` more stages: each K/V tile's rows come from a page-table
     load, which the software pipeliner stages ahead of the tile, so at the contiguous layout's stage count
@@ -1001,7 +1050,7 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     if block_size > TMA_MAX_BLOCK:
         warps, stages = 4, 3
     elif head_dim == 64 and loads == "host_descriptors":
-        warps, stages = 1, PAIR_SPLIT_STAGES if pair_splits else 3
+        warps, stages = 2 if dense_plan else 1, PAIR_SPLIT_STAGES if pair_splits else 3
     elif (block_size == TMA_MAX_BLOCK and head_dim == 128 and programs > RESIDENT_AT_THREE_STAGES * _num_sms(device)
           and not (single_walks is not None and not paged and single_walks.memo(
               ("three_stages", head_dim, _num_sms(device)),

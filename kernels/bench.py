@@ -9,8 +9,8 @@ measures:
 * the copy-bandwidth ceiling (bytes read + written of a 1 GiB copy);
 * per ``(B, S)`` with ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16: the peers cuDNN SDPA, flash
   SDPA and FlexAttention decode (where it compiles; failures are recorded), this kernel in
-  dense mode (``art=None``, its default block size 128), dense at the monitor's block size 64
-  and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
+  dense mode (``art=None`` at its dense plan: 128-token blocks at ``D = 128``, 64 at ``D = 64``), dense at the
+  monitor's block size 64 and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
   the monitor's overhead, summarised over the rows where the monitor runs: ``monitor_runs`` is false
   where the leader's range is shorter than the earliest stop and the call is the dense walk,
   ``kernels.art_decode.leader_can_stop``), never-terminating at the default split plan (``art_never_default``:
@@ -90,8 +90,8 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, DENSE_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode,
-                         choose_num_splits, choose_pair_splits, choose_split_plan, leader_can_stop, leader_splits)
+from .art_decode import (ART_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
+                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_splits)
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
@@ -314,7 +314,9 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / DENSE_BLOCK_SIZE), q.device)
+    dense_block = dense_block_size(None, head_dim)
+    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / dense_block), q.device, dense_block,
+                                     head_dim=head_dim)
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     splits = choose_num_splits(batch, kv_heads, blocks, q.device, block_size=ART_BLOCK_SIZE)
     _, single_steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
@@ -330,7 +332,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
     calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
                                                   block_size=ART_BLOCK_SIZE, num_splits=1)
-    extras = {"art_dense": dict(num_splits=dense_splits, block_size=DENSE_BLOCK_SIZE),
+    extras = {"art_dense": dict(num_splits=dense_splits, block_size=dense_block),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),
@@ -342,12 +344,12 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     for impl, hint in (("art", None), ("art_calibrated", pair_walks)):
         _, steps = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        follow_step = default_follow_step(q, k, art, None if hint is None else longest)
+        planned_splits, follow_step = default_split_plan(q, k, art, None if hint is None else longest)
         pair_plan = None if hint is None else bench_pair_plan(q, k, art, hint)
         # per-pair splits leave the pairs below the threshold a whole walk, where the monitor can stop (art_decode)
         extras[impl] = dict(num_splits=steps.shape[-1], follow_step=follow_step,
                             loaded_fraction=loaded_fraction(steps, seqlen),
-                            monitor_runs=leader_can_stop(blocks, 1 if pair_plan else steps.shape[-1], art, follow_step),
+                            monitor_runs=leader_can_stop(blocks, 1 if pair_plan else planned_splits, art, follow_step),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()))
         if pair_plan is not None:
@@ -399,11 +401,13 @@ def time_bound_ms(loaded_fraction: float, dense_ms: float) -> float:
     return 1.15 * loaded_fraction * dense_ms + 0.010
 
 
-def default_follow_step(q: torch.Tensor, k: torch.Tensor, art: ARTParams, longest_stop_steps: int | None) -> int:
-    """The follow step that ``art_decode(q, k, v, art=art, longest_stop_steps=...)`` takes at its default split plan
-    (``kernels.art_decode.choose_split_plan``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths."""
+def default_split_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams,
+                       longest_stop_steps: int | None) -> tuple[int, int]:
+    """The ``(num_splits, follow_step)`` of the monitored walk that ``art_decode(q, k, v, art=art,
+    longest_stop_steps=...)`` plans by default (``kernels.art_decode.choose_split_plan``) on a contiguous cache
+    ``k [B, Hkv, S, D]`` of uniform lengths (where its leader cannot stop, the call runs the dense plan's walk)."""
     return choose_split_plan(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
-                             ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)[1]
+                             ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)
 
 
 def bench_pair_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams, pair_walks: PairWalks) -> tuple[int, int] | None:

@@ -40,7 +40,7 @@ import triton
 
 from .art_decode import ART_BLOCK_SIZE, art_decode, hint_plan, on_demand_plan
 from .art_params import ARTParams
-from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_follow_step, loaded_fraction, tiled_capture,
+from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_split_plan, loaded_fraction, tiled_capture,
                     time_interleaved)
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
@@ -87,7 +87,7 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 row.update(longest_stop_steps=longest, pair_walks=None if told is None else told.walks.tolist(),
                            num_splits=steps.shape[-1], on_demand=hint_on_demand,
                            follow_step=(on_demand["follow_step"] if hint_on_demand
-                                        else default_follow_step(q, k, art, longest)),
+                                        else default_split_plan(q, k, art, longest)[1]),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen))
                 if hint_on_demand:

@@ -57,12 +57,13 @@ expected = torch.tensor([[1, 9, 2, 5, 3, 13, 1, 4]] * 3, device="cuda")
 for lengths_now in (lengths, torch.full_like(lengths, 799)):
     out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths_now, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
                      pair_walks=PairWalks.from_walks(expected), block_size=64)
-# 64-dim tiles through host descriptors (one warp), and the default split count
+# 64-dim tiles through host descriptors (one warp), and the default split count; the dense plan (two warps)
 q64 = torch.randn(3, 9, 64, device="cuda", dtype=torch.bfloat16)
 kv64 = torch.randn(2, 3, 3, 799, 64, device="cuda", dtype=torch.bfloat16)
 for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
     for splits in (1, 4, None):
         out = art_decode(q64, kv64[0], kv64[1], art=art, num_splits=splits, block_size=64)
+    out = art_decode(q64, kv64[0], kv64[1], art=art)
 out = art_decode(q64, kv64[0], kv64[1], art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
                  pair_walks=PairWalks.from_walks(expected[:, :3]), block_size=64)
 # on-demand followers: released from the first chunk (or never), ragged at D = 128 and uniform at D = 64

@@ -8,7 +8,6 @@ checks at real sizes in bf16 (``pytest -m gpu``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -236,6 +235,43 @@ def test_a_walk_that_cannot_stop_runs_without_the_monitor(record_decode_launches
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
     art_decode(q, k, v, art=dataclasses.replace(config, patience=20), num_splits=1)   # 21 <= 24: it can stop
     assert [call.kwargs["ART"] for call in launches.calls] == [False, True]
+
+
+def test_the_dense_plan_walks_64_token_blocks_at_64_dims_and_serves_the_walks_that_cannot_stop(
+        record_decode_launches, monkeypatch):
+    """A dense call that leaves the walk to the launcher walks 128-token blocks at D = 128 and 64-token blocks at
+    D = 64, at the split count of ``choose_num_splits(..., head_dim=D)``; an ART call of the launcher's plan whose
+    walks cannot stop runs that dense plan's walk of 64-token blocks: at D = 64 the default dense call, bit for bit."""
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    launches = record_decode_launches(forward=True)
+    for dim, block in ((64, 64), (128, 128)):
+        q, k, v = synthetic_inputs(1, 6, 2, 1536, dim, torch.float16, CPU, seed=3)
+        art_decode(q, k, v)
+        splits = art_decode_module.choose_num_splits(1, 2, 1536 // block, CPU, block, head_dim=dim)
+        assert launches.calls[-1].kwargs["BLOCK_N"] == block and launches.calls[-1].grid == (splits, 2)
+    assert splits == 1536 // 128 // art_decode_module.MIN_STEPS_PER_SPLIT   # 3 splits of 4 blocks at D = 128
+    # on 2 multiprocessors the monitored plan takes 4 splits of the 24 blocks (4 programs per SM) and the dense 3
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 2)
+    q, k, v = synthetic_inputs(1, 6, 2, 1536, 64, torch.float16, CPU, seed=3)
+    config = ARTConfig(tau=1e9, phi=2.0, patience=30).kernel_params()           # 31 steps > 24: no walk stops
+    dense = art_decode(q, k, v, return_lse=True, return_stats=True)
+    got = art_decode(q, k, v, art=config, return_lse=True, return_stats=True)
+    assert [call.kwargs["ART"] for call in launches.calls[-2:]] == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(got, dense)) and dense[2].shape == (1, 2, 3)
+    assert art_decode(q, k, v, art=config, num_splits=4, return_stats=True)[1].shape == (1, 2, 4)   # chosen: kept
+
+
+def test_the_dense_plan_gives_64_dim_tiles_two_warps(monkeypatch):
+    """On Hopper a dense walk of the launcher's plan reads 64-dim tiles through host descriptors with 2 warps;
+    a walk whose configuration the caller chose takes the monitor's 1, so that zero thresholds stay bit-identical."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    config = art_decode_module._launch_config
+    cuda = torch.device("cuda")
+    assert config(cuda, 64, 64, 384, "host_descriptors", dense_plan=True) == (2, 3)
+    assert config(cuda, 64, 64, 384, "host_descriptors") == (1, 3)
+    assert config(cuda, 64, 128, 264, "host_descriptors", dense_plan=True) == config(cuda, 64, 128, 264,
+                                                                                     "host_descriptors")
 
 
 def test_the_longest_walk_hint_sets_the_default_split_plan(monkeypatch, record_decode_launches):
@@ -855,8 +891,10 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
     assert loads(k128, v128, paged=False, block_size=64, uniform=True, leader_steps=minimum - 1) == "host_descriptors"
 
 
-def test_dense_default_block_is_128_unless_pages_split_such_blocks(record_decode_launches):
+def test_dense_default_block_is_128_unless_64_dim_or_pages_split_such_blocks(record_decode_launches):
     recorded = record_decode_launches()
+    q128, k128, v128 = synthetic_inputs(2, 4, 2, 512, 128, torch.float16, CPU)
+    art_decode(q128, k128, v128)
     q, k, v = synthetic_inputs(2, 4, 2, 512, 64, torch.float16, CPU)
     calls = [dict(), dict(art=ARTConfig().kernel_params())]
     for page_size in (16, 64, 128, 256, 192):
@@ -867,8 +905,9 @@ def test_dense_default_block_is_128_unless_pages_split_such_blocks(record_decode
         art_decode(q, **layout, **call)
     blocks = [launch.kwargs["BLOCK_N"] for launch in recorded.calls]
     pages = [launch.kwargs["PAGE_SIZE"] for launch in recorded.calls]
-    assert blocks == [128, 64, 64, 64, 128, 128, 64]
-    assert pages == [1, 1, 16, 64, 128, 256, 192]
+    # D = 128 contiguous; D = 64 contiguous (the dense plan, V61), ART; pages of 16 / 64 split 128-token blocks
+    assert blocks == [128, 64, 64, 64, 64, 128, 128, 64]
+    assert pages == [1, 1, 1, 16, 64, 128, 256, 192]
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():

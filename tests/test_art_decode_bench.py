@@ -26,6 +26,12 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(8, 8, 2048, None, block_size=64) == 8
     assert choose_num_splits(32, 3, 512, None, block_size=64) == 5
     assert choose_num_splits(128, 3, 512, None, block_size=64) == 1     # 384 programs keep every SM busy
+    # ... walked without the monitor: 3 programs per SM at D = 64, 2 at D = 128 (V61)
+    assert choose_num_splits(1, 3, 2048, None, block_size=64, head_dim=64) == 128   # 132, at most MAX_SPLITS
+    assert choose_num_splits(8, 3, 512, None, block_size=64, head_dim=64) == 16     # 384 programs
+    assert choose_num_splits(1, 3, 128, None, block_size=64, head_dim=64) == 32     # 4 blocks each at least
+    assert choose_num_splits(1, 8, 512, None, block_size=64, head_dim=128) == 33
+    assert choose_num_splits(8, 8, 512, None, block_size=128, head_dim=128) == 2    # 128-token blocks: as before
 
 
 def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(monkeypatch):
@@ -56,7 +62,7 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(mon
     assert plan(8, 8, 512, longest=44) == (6, 44)                   # 207 > 44
     # told, the walk needs no margin: 52 > 40 defers, where the guess (52 <= 2 x 34) did not
     assert plan(8, 8, 128, longest=40) == (6, 40) and plan(8, 8, 128) == (8, 0)
-    assert plan(8, 8, 512, longest=600, art=None) == (8, 0)         # dense: unused
+    assert plan(8, 8, 512, longest=600, art=None) == (4, 0)         # dense: unused; 2 programs per SM (V61)
 
 
 def test_on_demand_plan_splits_by_length_and_releases_a_few_programs_per_multiprocessor(monkeypatch):
