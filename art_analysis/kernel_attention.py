@@ -4,11 +4,12 @@
 given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hint.LongestWalkHint` per layer
 carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
 on-demand followers where they are lopsided, :func:`kernels.art_decode.hint_plan`).  Prefill calls run the model's
-own attention.  The hook records the blocks each layer's calls loaded::
+own attention.  The hook records the share of the cached tokens each layer's calls loaded (:func:`loaded_tokens` of
+the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens)::
 
     with kernel_attention(model, ARTConfig()) as attention:
         model.generate(input_ids, max_new_tokens=32)
-    attention.loaded_fraction()          # {layer: mean share of the KV blocks the decode calls loaded}
+    attention.loaded_fraction()          # {layer: mean share of the cached tokens the decode calls loaded}
 
 Where :class:`art_analysis.analysis.retention.RuleAttention` computes the same rule with the simulator,
 this is what a served model runs: the kernel's float32 online recurrence, its plan and its loads.  The kernel reads
@@ -36,8 +37,8 @@ class KernelAttention:
 
     ``art``: the rule (an :class:`~art_analysis.termination.ARTConfig` or ``kernels.art_params.ARTParams``), or
     ``None`` for the kernel's dense walk; ``order``: the blocks' traversal order; ``walk_hints``: carry each layer's
-    walks to its next call.  ``loaded[layer]`` holds, per decode call of that layer, the blocks its programs loaded
-    over the cache's blocks (``return_stats``; 1.0 for dense calls)."""
+    walks to its next call.  ``loaded[layer]`` holds, per decode call of that layer, the cached tokens its programs
+    loaded over the cached tokens (:func:`loaded_tokens` of ``return_stats``; 1.0 for dense calls)."""
 
     art: object = None
     order: str = "sink_recency"
@@ -70,13 +71,27 @@ class KernelAttention:
             hint = self.hints.setdefault(layer, LongestWalkHint())
         out, steps = art_decode(query[:, :, 0], key, value, sm_scale=scaling, art=self.art, order=self.order,
                                 walk_hint=hint, return_stats=True)
-        blocks = -(-key.shape[2] // (ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1])))
-        self.loaded.setdefault(layer, []).append(float(steps.sum()) / (steps.shape[0] * steps.shape[1] * blocks))
+        block = ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1])
+        tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), key.shape[2], block, self.order)
+        self.loaded.setdefault(layer, []).append(float(tokens.sum()) / (tokens.numel() * key.shape[2]))
         return out[:, None], None
 
     def loaded_fraction(self) -> dict:
         """``{layer: mean loaded share over its decode calls}``."""
         return {layer: sum(shares) / len(shares) for layer, shares in self.loaded.items()}
+
+
+def loaded_tokens(blocks: torch.Tensor, length: int, block_size: int, order: str) -> torch.Tensor:
+    """The cached tokens in the ``blocks`` (any shape, int64) that each ``(b, kv_head)``'s programs loaded of a cache of
+    ``length`` tokens walked in ``block_size``-token blocks in ``order``: every block holds ``block_size`` tokens
+    but the newest, which holds the rest.  A pair that loaded every block loaded ``length``.  Otherwise, walking
+    ``"sink_recency"``, two or more blocks include the newest, the order's second: the leader's range holds the
+    head of the order.  Walking ``"sequential"``, the blocks are taken as whole, so that a follower that walked its
+    range to the newest block counts that block's padding too (at most ``block_size - 1`` tokens over)."""
+    whole = blocks * block_size
+    if order == "sink_recency":
+        whole = torch.where(blocks >= 2, whole - (-length % block_size), whole)
+    return torch.where(blocks >= -(-length // block_size), torch.full_like(blocks, length), whole)
 
 
 def _check_unpadded(attention_mask, keys: int) -> None:

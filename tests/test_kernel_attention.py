@@ -1,5 +1,6 @@
 """`art_analysis.kernel_attention`: the SmolLM2 model decoding through the ART Triton kernel (CPU interpreter)."""
 import contextlib
+import math
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from art_analysis.analysis import retention
 from art_analysis.analysis.retention import RuleAttention, decode_rows, prefill
 from art_analysis.corpus import passkey_prompt
-from art_analysis.kernel_attention import KERNEL_ATTENTION_TAG, KernelAttention, kernel_attention
+from art_analysis.kernel_attention import KERNEL_ATTENTION_TAG, KernelAttention, kernel_attention, loaded_tokens
 from art_analysis.termination import ARTConfig, FixedBudget, stop
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
@@ -19,7 +20,7 @@ def prompt(loaded):
 
 
 def test_the_kernel_inside_the_model_stops_where_the_simulator_does(loaded, prompt, monkeypatch):
-    """Each decode call of each layer loads the blocks that the simulator's walk under the same rule visits, and
+    """Each decode call of each layer loads the tokens that the simulator's walk under the same rule visits, and
     greedy decoding picks the same tokens, with next-token log-probabilities within float32 rounding."""
     model, steps = loaded.model, 3
     layers = model.config.num_hidden_layers
@@ -27,11 +28,11 @@ def test_the_kernel_inside_the_model_stops_where_the_simulator_does(loaded, prom
     kernel = KernelAttention(RULE)
     kernel_tokens, kernel_logprobs = decode_rows(model, cache, [first], steps, kernel)
     cache, _ = prefill(model, prompt.input_ids)
-    simulator_blocks = []   # per call: the simulator's visited blocks over the cache's blocks, mean over heads
+    simulator_shares = []   # per call: the simulator's visited tokens over the cache's tokens, mean over heads
 
     def recorded_stop(trace, rule):
         result = stop(trace, rule)
-        simulator_blocks.append(float((result.stop_step + 1).double().mean()) / trace.block_ids.shape[-1])
+        simulator_shares.append(float(result.loaded_fraction.double().mean()))
         return result
 
     monkeypatch.setattr(retention, "stop", recorded_stop)
@@ -39,7 +40,7 @@ def test_the_kernel_inside_the_model_stops_where_the_simulator_does(loaded, prom
     assert kernel_tokens.tolist() == simulator_tokens.tolist()
     assert sorted(kernel.loaded) == list(range(layers)) and all(len(v) == steps for v in kernel.loaded.values())
     in_call_order = [kernel.loaded[layer][step] for step in range(steps) for layer in range(layers)]
-    assert in_call_order == pytest.approx(simulator_blocks, abs=1e-12)
+    assert in_call_order == pytest.approx(simulator_shares, abs=1e-12)
     assert min(in_call_order) < 0.5 and max(in_call_order) == 1.0   # some walks stop early, some read everything
     assert (kernel_logprobs - simulator_logprobs).abs().max() < 1e-3
     # every layer's hint holds its latest call's walks, one per KV head
@@ -62,6 +63,13 @@ def test_generate_through_the_dense_kernel_gives_the_models_greedy_tokens(loaded
     assert all(v == [1.0, 1.0] for v in hooks["kernel"].loaded.values()) and hooks["kernel"].hints == {}
 
 
+def test_loaded_tokens_count_the_newest_blocks_tokens_where_the_walk_read_it():
+    blocks = torch.tensor([[3, 2, 1]])              # 150 tokens: blocks of 64, 64 and 22 tokens
+    assert loaded_tokens(blocks, 150, 64, "sink_recency").tolist() == [[150, 86, 64]]   # sink, then the newest
+    assert loaded_tokens(blocks, 150, 64, "sequential").tolist() == [[150, 128, 64]]
+    assert loaded_tokens(torch.tensor([1, 2]), 128, 64, "sink_recency").tolist() == [64, 128]
+
+
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="ARTConfig, a kernels.art_params.ARTParams or None, got FixedBudget"):
         KernelAttention(FixedBudget(2))
@@ -82,6 +90,46 @@ def test_bad_input_is_refused():
     called = []
     hook(lambda *args, **kwargs: called.append(args[1].shape), None, torch.zeros(1, 4, 5, 64), key, value, None)
     assert called == [(1, 4, 5, 64)]
+
+
+def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, prompt):
+    """compare_generation(backend="kernel") decodes the ART rule through the kernel and the coverage rule in the
+    simulator: the kernel's row has the simulator backend's tokens, loaded fraction and, within float32 rounding,
+    KL, and no needle share; the other rows are the simulator backend's."""
+    from art_analysis.analysis.retention import compare_generation
+    from art_analysis.termination import MassCoverage
+
+    rules = {"art": RULE, "coverage": MassCoverage(0.9)}
+    tables = {backend: compare_generation(loaded.model, loaded.tokenizer, [prompt], rules, max_new_tokens=3,
+                                          progress=False, backend=backend).set_index("rule")
+              for backend in ("simulator", "kernel")}
+    simulator, kernel = tables["simulator"], tables["kernel"]
+    art = f"art: {RULE.name}"
+    assert list(kernel.index) == ["dense", f"{art} (kernel)", "coverage: " + MassCoverage(0.9).name]
+    on_kernel, in_simulator = kernel.loc[f"{art} (kernel)"], simulator.loc[art]
+    assert on_kernel["token_agreement"] == in_simulator["token_agreement"]
+    assert on_kernel["accuracy"] == in_simulator["accuracy"]
+    assert on_kernel["loaded_fraction"] == pytest.approx(in_simulator["loaded_fraction"], abs=1e-12)
+    assert on_kernel["loaded_fraction"] < 0.9
+    assert on_kernel["kl_max"] == pytest.approx(in_simulator["kl_max"], abs=1e-4)
+    assert math.isnan(on_kernel["needle_read"]) and not math.isnan(in_simulator["needle_read"])
+    for rule in ("dense", "coverage: " + MassCoverage(0.9).name):   # a batch of two rows instead of three
+        for column in ("token_agreement", "accuracy", "loaded_fraction", "needle_read", "first_divergence"):
+            assert kernel.loc[rule, column] == pytest.approx(simulator.loc[rule, column], abs=1e-12)
+        assert kernel.loc[rule, "kl_max"] == pytest.approx(simulator.loc[rule, "kl_max"], abs=1e-4)
+    with pytest.raises(ValueError, match="64-token blocks"):
+        compare_generation(loaded.model, loaded.tokenizer, [prompt], rules, order="importance", backend="kernel")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        compare_generation(loaded.model, loaded.tokenizer, [prompt], rules, backend="triton")
+
+
+def test_evaluate_refuses_the_kernel_backend_without_a_gpu_or_the_interpreter(monkeypatch, capsys):
+    from art_analysis.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["evaluate", "--backend", "kernel"]) == 2
+    assert "set TRITON_INTERPRET=1" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

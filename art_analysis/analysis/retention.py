@@ -13,7 +13,11 @@ prefix.  This is the toolkit's stand-in for the paper's LongBench retention.
 
 Every rule decodes the same prompt, so the rules run as the rows of one batch: the prefill
 cache is repeated once per rule and row ``r`` of every decode attention call is truncated by
-rule ``r`` (:class:`RuleAttention`), one model forward per step for all of them.
+rule ``r`` (:class:`RuleAttention`), one model forward per step for all of them.  With
+``backend="kernel"`` the ART rules that the Triton kernel runs (``group="all"``) decode instead through
+``kernels.art_decode`` (:class:`art_analysis.kernel_attention.KernelAttention`: the production kernel, its plan
+and its float32 recurrence, with a walk hint per layer), each rule in its own batch of one; the other rules, and
+dense decoding, stay in the simulator's batch.
 """
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ from tqdm import tqdm
 from ..attention_override import override_attention
 from ..blockwise import blockwise_attention
 from ..corpus import Prompt
+from ..kernel_attention import KernelAttention
 from ..models import cache_argument
 from ..policies.quest import group_block_bounds
-from ..termination import Rule, stop
+from ..termination import ARTConfig, Rule, stop
 
 
 @dataclass
@@ -103,7 +108,7 @@ def prefill(model, input_ids: Sequence[int]):
 
     cache = DynamicCache()
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([list(input_ids)]), use_cache=True, logits_to_keep=1,
+        out = model(input_ids=torch.tensor([list(input_ids)], device=model.device), use_cache=True, logits_to_keep=1,
                     **{cache_argument(model): cache})
     return cache, int(out.logits[0, -1].argmax())
 
@@ -119,7 +124,7 @@ def decode_rows(model, cache, first_tokens: Sequence[int], steps: int, hook: Rul
     """
     if forced is not None and len(forced) < steps:
         raise ValueError(f"forced tokens must cover {steps} steps, got {len(forced)}")
-    tokens = [torch.tensor(list(first_tokens), dtype=torch.long)]
+    tokens = [torch.tensor(list(first_tokens), dtype=torch.long, device=model.device)]
     logprobs = []
     fed = tokens[0]
     cache_kwarg = {cache_argument(model): cache}
@@ -141,9 +146,52 @@ def _repeated(cache, rows: int):
     return repeated
 
 
+BACKENDS = ("simulator", "kernel")
+KERNEL_ORDERS = ("sequential", "sink_recency")
+
+
+def runs_on_kernel(rule: Rule | None) -> bool:
+    """Whether ``backend="kernel"`` decodes ``rule`` through the Triton kernel: an ART rule the kernel implements
+    (:meth:`~art_analysis.termination.ARTConfig.kernel_params`: ``group="all"``, named probe dims)."""
+    if not isinstance(rule, ARTConfig):
+        return False
+    try:
+        rule.kernel_params()
+    except ValueError:
+        return False
+    return True
+
+
+def _decode_rules(model, cache, first: int, steps: int, rules: Sequence[Rule | None], *, block_size: int,
+                  order: str, needle: tuple[int, int] | None, backend: str,
+                  forced: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """Decode ``steps`` tokens from the prefilled ``cache`` with every rule of ``rules`` (its rows in that order).
+
+    Returns ``tokens [R, steps + 1]``, ``logprobs [R, steps, vocab]`` (as :func:`decode_rows`), and per rule the
+    loaded fractions of its decode calls and the needle shares (none for the kernel's rows, which do not record
+    the blocks of each head's walk)."""
+    on_kernel = [r for r, rule in enumerate(rules) if backend == "kernel" and runs_on_kernel(rule)]
+    in_batch = [r for r in range(len(rules)) if r not in on_kernel]
+    tokens, logprobs = [None] * len(rules), [None] * len(rules)
+    loaded, needle_read = [[] for _ in rules], [[] for _ in rules]
+    if in_batch:
+        hook = RuleAttention([rules[r] for r in in_batch], block_size=block_size, order=order, needle=needle)
+        batch_tokens, batch_logprobs = decode_rows(model, _repeated(cache, len(in_batch)), [first] * len(in_batch),
+                                                   steps, hook, forced=forced)
+        for i, r in enumerate(in_batch):
+            tokens[r], logprobs[r] = batch_tokens[i], batch_logprobs[i]
+            loaded[r], needle_read[r] = hook.loaded[i], hook.needle_read[i]
+    for r in on_kernel:
+        hook = KernelAttention(rules[r], order=order)
+        row_tokens, row_logprobs = decode_rows(model, _repeated(cache, 1), [first], steps, hook, forced=forced)
+        tokens[r], logprobs[r] = row_tokens[0], row_logprobs[0]
+        loaded[r] = [share for shares in hook.loaded.values() for share in shares]
+    return torch.stack(tokens), torch.stack(logprobs), loaded, needle_read
+
+
 def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mapping[str, Rule | None],
                        max_new_tokens: int = 12, block_size: int = 64, order: str = "sink_recency",
-                       progress: bool = True) -> pd.DataFrame:
+                       progress: bool = True, backend: str = "simulator") -> pd.DataFrame:
     """Generate every prompt's answer with each rule and compare with dense decoding.
 
     Args:
@@ -152,6 +200,10 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         rules: name -> stopping rule; ``"dense"`` (``None``) is added as the reference.
         max_new_tokens: generated tokens per prompt (the first comes from the dense prefill).
         block_size, order: the walk of every decode attention call (see :class:`RuleAttention`).
+        backend: ``"simulator"``, or ``"kernel"``: the ART rules that :func:`runs_on_kernel` accepts decode through
+            the Triton kernel (module docstring; ``block_size`` 64, ``order`` ``"sequential"`` or
+            ``"sink_recency"``; on the CPU with ``TRITON_INTERPRET=1`` set before ``triton`` is imported, and a
+            model in float32 or float16), their rows named ``"<name>: <rule> (kernel)"``, with no ``needle_read``.
 
     Returns:
         One row per ``(task, rule)`` (``task`` is the prompts' kind): ``rule, order, accuracy``
@@ -170,21 +222,26 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         raise ValueError("compare_generation needs at least one prompt")
     if any(p.input_ids is None for p in prompts):
         raise ValueError("prompts must carry input_ids: build them with the model's tokenizer")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "kernel" and (block_size != 64 or order not in KERNEL_ORDERS):
+        raise ValueError(f"the kernel backend walks 64-token blocks in order {' or '.join(KERNEL_ORDERS)}; got "
+                         f"block_size={block_size}, order={order!r}")
     rules = {"dense": None, **{name: rule for name, rule in rules.items() if name != "dense"}}
     names, steps = list(rules), max_new_tokens - 1
+    walk = dict(block_size=block_size, order=order, backend=backend)
     records = []
     for prompt in tqdm(prompts, desc=f"retention ({order})", leave=False, disable=not progress):
         cache, first = prefill(model, prompt.input_ids)
         needle = (prompt.needle_start, prompt.needle_end) if prompt.unit == "tokens" else None
-        hook = RuleAttention([rules[n] for n in names], block_size=block_size, order=order, needle=needle)
-        tokens, logprobs = decode_rows(model, _repeated(cache, len(names)), [first] * len(names), steps, hook)
+        tokens, logprobs, loaded, needle_read = _decode_rules(model, cache, first, steps, list(rules.values()),
+                                                              needle=needle, **walk)
         dense = tokens[0]
         # Rows that left dense decoding's path are replayed teacher-forced on it for the KL.
         diverged = [r for r in range(1, len(names)) if not torch.equal(tokens[r], dense)]
         if diverged:
-            replay = RuleAttention([rules[names[r]] for r in diverged], block_size=block_size, order=order)
-            _, logprobs[diverged] = decode_rows(model, _repeated(cache, len(diverged)), [first] * len(diverged),
-                                                steps, replay, forced=dense.tolist())
+            _, logprobs[diverged], _, _ = _decode_rules(model, cache, first, steps, [rules[names[r]] for r in diverged],
+                                                        needle=None, forced=dense.tolist(), **walk)
         kl = (logprobs[0].exp() * (logprobs[0] - logprobs)).sum(-1).clamp(min=0)          # [R, steps]
         dense_correct = prompt.answer in tokenizer.decode(dense.tolist())
         for r, name in enumerate(names):
@@ -192,7 +249,7 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             records.append(dict(task=prompt.kind, rule=name, correct=prompt.answer in tokenizer.decode(tokens[r].tolist()),
                                 dense_correct=dense_correct, agree=sum(same),
                                 divergence=same.index(False) if False in same else max_new_tokens,
-                                kl=kl[r], loaded=hook.loaded[r], needle_read=hook.needle_read[r]))
+                                kl=kl[r], loaded=loaded[r], needle_read=needle_read[r]))
     rows = []
     for task in dict.fromkeys(r["task"] for r in records):
         for name, rule in rules.items():
@@ -201,7 +258,10 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             loaded = [x for r in group for x in r["loaded"]]
             needle_read = [x for r in group for x in r["needle_read"]]
             answered = [r for r in group if r["dense_correct"]]
-            rows.append(dict(task=task, rule=name if rule is None else f"{name}: {rule.name}", order=order,
+            label = name if rule is None else f"{name}: {rule.name}"
+            if backend == "kernel" and runs_on_kernel(rule):
+                label += " (kernel)"
+            rows.append(dict(task=task, rule=label, order=order,
                              accuracy=sum(r["correct"] for r in group) / len(group),
                              answer_retained=(sum(r["correct"] for r in answered) / len(answered)
                                               if answered else float("nan")),
