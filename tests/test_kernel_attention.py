@@ -157,3 +157,31 @@ def test_on_the_gpu_the_kernel_decodes_a_bf16_model_like_its_own_attention():
     assert all(0 < share <= 1 for shares in hook.loaded.values() for share in shares)
     torch.cuda.synchronize()
     assert hook.hints[0].pair_walks.walks.shape == (4, 3)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_retention_runs_on_the_kernel_backend_with_the_model_on_the_device():
+    """compare_generation(backend="kernel") with a model on the GPU (a random bf16 Llama of SmolLM2's attention
+    shapes, a 4096-token prompt): prefill and decoding feed the model's device, the ART rule decodes through the
+    kernel (its row marked), and a rule that never stops decodes as dense does."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from art_analysis.analysis.retention import compare_generation
+    from art_analysis.corpus import Prompt
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = tuple(torch.randint(0, 512, (4096,)).tolist())
+    prompt = Prompt(kind="passkey", text="", answer="7", depth=0.5, seed=0, length=4096, unit="tokens",
+                    needle_start=2000, needle_end=2010, haystack_start=0, haystack_end=4096, input_ids=ids)
+    tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    rows = compare_generation(model, tokenizer, [prompt], {"never": ARTConfig(tau=0.0, phi=0.0)}, max_new_tokens=4,
+                              progress=False, backend="kernel").set_index("rule")
+    never = rows.loc[f"never: {ARTConfig(tau=0.0, phi=0.0).name} (kernel)"]
+    assert never["loaded_fraction"] == 1.0 and never["kl_max"] < 1e-2   # bf16: the kernel's sums, not the simulator's
+    assert rows.loc["dense", "loaded_fraction"] == 1.0 and rows.loc["dense", "kl_max"] == 0.0
