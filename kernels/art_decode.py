@@ -599,7 +599,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         art = None
         follow_step = 0
         if planned_walk and not whole_walks:
-            num_splits = choose_num_splits(batch, kv_heads, max_steps, q.device, block_size, head_dim=head_dim)
+            num_splits = choose_split_plan(batch, kv_heads, max_steps, q.device, None, block_size, head_dim)[0]
             dense_plan = True
 
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)

@@ -315,8 +315,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     dense_block = dense_block_size(None, head_dim)
-    dense_splits = choose_num_splits(batch, kv_heads, math.ceil(seqlen / dense_block), q.device, dense_block,
-                                     head_dim=head_dim)
+    dense_splits = choose_split_plan(batch, kv_heads, math.ceil(seqlen / dense_block), q.device, None, dense_block,
+                                     head_dim)[0]
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     splits = choose_num_splits(batch, kv_heads, blocks, q.device, block_size=ART_BLOCK_SIZE)
     _, single_steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
