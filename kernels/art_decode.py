@@ -268,7 +268,7 @@ B = 8 and the SmolLM2 layer at B = 32, 0.0-2.4 % at four against 1.0-5.8 % at tw
 walk as fast or 2-4 % faster, V17).
 
 **The dense plan** (``benchmarks/NOTES-art-decode.md``, V61).  A dense call that leaves the block size and split
-count to the launcher walks 64-token blocks at ``D = 64`` on the contiguous layout (``SMALL_HEAD_DENSE_BLOCK_SIZE``),
+count to the launcher walks 64-token blocks at ``D = 64`` (``SMALL_HEAD_DENSE_BLOCK_SIZE``),
 2 warps per program where the monitor's walks take 1, and, walking such blocks without the monitor, targets
 ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM`` programs per multiprocessor (3 at ``D = 64``, 2 at ``D = 128``) instead of
 the monitor's 4.  At ``D = 64`` a 128-token block of one program per multiprocessor left too few loads in flight:
@@ -286,6 +286,10 @@ B      8k                          32k                      128k
 =====  ==========================  =======================  =======================
 
 At ``D = 128`` the plan keeps 128-token blocks (64-token ones were within 2 % either way, ``-dense-sweep.json``).
+At ``D = 64`` it walks 64-token blocks on the paged layout too, also on pages that hold 128-token blocks whole (V63,
+``-paged64-plan-ab.json``: pages of 128 tokens, 128-token blocks at their split count -> the plan, us; the SmolLM2
+shape B = 1 x 128k 40.3 -> 34.4, 8 x 32k 71.9 -> 53.5, 8 x 128k 252.8 -> 188.4, 32 x 32k 208.0 -> 188.7, 128 x 8k
+194.0 -> 186.8; pages of 256 alike; 32 / 8 heads at 64 dims 8-22 % faster except B = 32 x 8k, +1.6 %).
 An ART call of the launcher's plan whose leader cannot stop (:func:`leader_can_stop`) runs the dense plan's walk
 of 64-token blocks, at ``D = 64`` the default dense call bit for bit (the SmolLM2 shape at B = 1 x 32k 18.6 ->
 17.4 us, at B = 2 x 32k 24.6 -> 22.1; synthetic 32 / 8 at B = 1 x 32k 41.2 -> 40.4); a call given ``num_splits``
@@ -398,7 +402,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
-SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64 on the contiguous layout (V61)
+SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63)
 MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
@@ -459,8 +463,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
-            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128), 64 at ``D = 64`` on the contiguous layout, or
-            ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages that do not hold 128-token blocks whole).
+            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128), 64 at ``D = 64``, or ``PAGED_DENSE_BLOCK_SIZE``
+            (64) on pages that do not hold 128-token blocks whole).
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`, or with ``release_walks``
             :func:`on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
@@ -676,17 +680,20 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
 
 
 def dense_block_size(page_size: int | None, head_dim: int = 128) -> int:
-    """The dense walk's default block size (tokens): on the contiguous layout (``page_size=None``)
-    ``DENSE_BLOCK_SIZE`` at ``D = 128`` and ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64``; on pages that hold
-    128-token blocks whole ``DENSE_BLOCK_SIZE``, else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes
-    one page-table entry and reads consecutive rows; across pages its rows are gathered per token, which 64-token
-    blocks bear best (H200, B = 32 / 128 x 32k, the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at
-    block 64 against 4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 /
-    4.51 at block 128; ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes
-    of ``D = 128``'s, and the contiguous walk of 64-token blocks at 2 warps, several programs per multiprocessor,
-    was the fastest at every few-pair shape measured (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us)."""
+    """The dense walk's default block size (tokens): ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64`` on either
+    layout; at ``D = 128`` on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks
+    whole ``DENSE_BLOCK_SIZE``, else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table
+    entry and reads consecutive rows; across pages its rows are gathered per token, which 64-token blocks bear best
+    (H200, B = 32 / 128 x 32k, the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against
+    4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block
+    128; ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
+    ``D = 128``'s, and the walk of 64-token blocks at several programs per multiprocessor was the fastest at every
+    shape measured: contiguous (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us) and on pages of 128 tokens
+    (V63: B = 8 x 32k 71.6 -> 54.7 us, 32 x 8k 59.8 -> 54.9, 128 x 8k 202.1 -> 192.1)."""
+    if head_dim == 64:
+        return SMALL_HEAD_DENSE_BLOCK_SIZE
     if page_size is None:
-        return SMALL_HEAD_DENSE_BLOCK_SIZE if head_dim == 64 else DENSE_BLOCK_SIZE
+        return DENSE_BLOCK_SIZE
     if page_size % DENSE_BLOCK_SIZE == 0:
         return DENSE_BLOCK_SIZE
     return PAGED_DENSE_BLOCK_SIZE

@@ -66,6 +66,10 @@ for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
     out = art_decode(q64, kv64[0], kv64[1], art=art)
 out = art_decode(q64, kv64[0], kv64[1], art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
                  pair_walks=PairWalks.from_walks(expected[:, :3]), block_size=64)
+# the dense plan on pages of 128 tokens at D = 64: 64-token blocks through page descriptors, ragged
+pages64 = torch.randn(2, 24, 128, 3, 64, device="cuda", dtype=torch.bfloat16)
+table128 = torch.randperm(24, device="cuda", dtype=torch.int32)[:21].view(3, 7)
+out = art_decode(q64, pages64[0], pages64[1], cache_seqlens=lengths, block_table=table128)
 # on-demand followers: released from the first chunk (or never), ragged at D = 128 and uniform at D = 64
 for release in (0, 24):
     out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),

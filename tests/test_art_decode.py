@@ -894,20 +894,23 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
 def test_dense_default_block_is_128_unless_64_dim_or_pages_split_such_blocks(record_decode_launches):
     recorded = record_decode_launches()
     q128, k128, v128 = synthetic_inputs(2, 4, 2, 512, 128, torch.float16, CPU)
-    art_decode(q128, k128, v128)
     q, k, v = synthetic_inputs(2, 4, 2, 512, 64, torch.float16, CPU)
-    calls = [dict(), dict(art=ARTConfig().kernel_params())]
+    calls = [dict(q=q128, k=k128, v=v128), dict(), dict(art=ARTConfig().kernel_params())]
     for page_size in (16, 64, 128, 256, 192):
+        k_pages, v_pages, table = to_paged(k128, v128, page_size)
+        calls.append(dict(q=q128, k=k_pages, v=v_pages, block_table=table))
+    for page_size in (128, 256):
         k_pages, v_pages, table = to_paged(k, v, page_size)
         calls.append(dict(k=k_pages, v=v_pages, block_table=table))
     for call in calls:
-        layout = dict(k_cache=call.pop("k", k), v_cache=call.pop("v", v))
-        art_decode(q, **layout, **call)
+        layout = dict(q=call.pop("q", q), k_cache=call.pop("k", k), v_cache=call.pop("v", v))
+        art_decode(**layout, **call)
     blocks = [launch.kwargs["BLOCK_N"] for launch in recorded.calls]
     pages = [launch.kwargs["PAGE_SIZE"] for launch in recorded.calls]
-    # D = 128 contiguous; D = 64 contiguous (the dense plan, V61), ART; pages of 16 / 64 split 128-token blocks
-    assert blocks == [128, 64, 64, 64, 64, 128, 128, 64]
-    assert pages == [1, 1, 1, 16, 64, 128, 256, 192]
+    # D = 128 contiguous; D = 64 contiguous (the dense plan, V61), ART; D = 128 on pages of 16 / 64 / 192, which
+    # split 128-token blocks; D = 64 on pages that hold them whole walks 64-token blocks all the same (V63)
+    assert blocks == [128, 64, 64, 64, 64, 128, 128, 64, 64, 64]
+    assert pages == [1, 1, 1, 16, 64, 128, 256, 192, 128, 256]
 
 
 def test_last_arriver_combine_with_empty_splits_matches_oracle_and_leaves_counters_at_zero():
@@ -1017,6 +1020,20 @@ def test_gpu_ragged_paged_layouts_agree():
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=art, num_splits=1,
                            return_lse=True, return_stats=True)
         assert_paged_agrees(paged, monitored, page_size, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_64_dim_pages_that_hold_128_token_blocks_walk_64_token_blocks():
+    """At D = 64 the dense default walks 64-token blocks on pages of 128 and 256 tokens too (V63): bit for bit the
+    contiguous layout's walk of such blocks, ragged lengths and a shuffled page table included."""
+    lengths = torch.tensor([1, 63, 65, 1027, 20000], dtype=torch.int32, device="cuda")
+    q, k, v = synthetic_inputs(5, 9, 3, 20000, 64, torch.bfloat16, _cuda(), seed=4)
+    contiguous = art_decode(q, k, v, cache_seqlens=lengths, block_size=64, return_lse=True)
+    assert_within_flash_oracle(contiguous[0], q, k, v, lengths)
+    for page_size in (128, 256):
+        k_pages, v_pages, table = to_paged(k, v, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
+        assert_paged_agrees(paged, contiguous, page_size, 64)
 
 
 @pytest.mark.gpu
