@@ -71,7 +71,8 @@ class KernelAttention:
             hint = self.hints.setdefault(layer, LongestWalkHint())
         out, steps = art_decode(query[:, :, 0], key, value, sm_scale=scaling, art=self.art, order=self.order,
                                 walk_hint=hint, return_stats=True)
-        block = ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1])
+        block = ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1],
+                                                                             key.shape[0] * key.shape[1], key.device)
         tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), key.shape[2], block, self.order)
         self.loaded.setdefault(layer, []).append(float(tokens.sum()) / (tokens.numel() * key.shape[2]))
         return out[:, None], None

@@ -290,11 +290,17 @@ At ``D = 64`` it walks 64-token blocks on the paged layout too, also on pages th
 ``-paged64-plan-ab.json``: pages of 128 tokens, 128-token blocks at their split count -> the plan, us; the SmolLM2
 shape B = 1 x 128k 40.3 -> 34.4, 8 x 32k 71.9 -> 53.5, 8 x 128k 252.8 -> 188.4, 32 x 32k 208.0 -> 188.7, 128 x 8k
 194.0 -> 186.8; pages of 256 alike; 32 / 8 heads at 64 dims 8-22 % faster except B = 32 x 8k, +1.6 %).
+Where the plan's one split of 64-token blocks would leave more than 1.5 and at most 2 pairs per multiprocessor
+(:func:`two_pairs_per_sm`; 199-264 pairs on the H200's 132), a 64-dim dense call walks one split of 128-token
+blocks at 4 warps instead, if the layout holds them whole: two programs of 2 warps kept too few loads in flight (V65,
+``-pair-band64.json``, 32k, us, 64-token -> 128-token walk (cuDNN): 32 / 8 heads at 208 pairs 428.8 -> 389.6 (385.2),
+240 pairs 462.3 -> 443.4 (440.3); 9 / 3 heads at 216 pairs 434.7 -> 403.0 (400.7), 252 pairs 477.6 -> 464.5 (459.6);
+at 176-180 and 272-368 pairs the 128-token walk was 2-8 % slower).
 An ART call of the launcher's plan whose leader cannot stop (:func:`leader_can_stop`) runs the dense plan's walk
-of 64-token blocks, at ``D = 64`` the default dense call bit for bit (the SmolLM2 shape at B = 1 x 32k 18.6 ->
-17.4 us, at B = 2 x 32k 24.6 -> 22.1; synthetic 32 / 8 at B = 1 x 32k 41.2 -> 40.4); a call given ``num_splits``
-or ``block_size`` runs the dense walk of the configuration it chose, which keeps ``tau = phi = 0`` bit-identical to
-the dense call of that configuration.
+of 64-token blocks, at ``D = 64`` outside that band the default dense call bit for bit (the SmolLM2 shape at
+B = 1 x 32k 18.6 -> 17.4 us, at B = 2 x 32k 24.6 -> 22.1; synthetic 32 / 8 at B = 1 x 32k 41.2 -> 40.4); a call
+given ``num_splits`` or ``block_size`` runs the dense walk of the configuration it chose, which keeps
+``tau = phi = 0`` bit-identical to the dense call of that configuration.
 
 **Uniform lengths** (``benchmarks/NOTES-art-decode.md``, V11).  When every sequence has the same
 length (no ``cache_seqlens``, or equal ones: the launcher already reads their min and max), the
@@ -402,7 +408,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
 DENSE_BLOCK_SIZE = 128
 PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
-SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63)
+SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
+SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
 MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
@@ -521,7 +528,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     planned_walk = block_size is None and num_splits is None   # the launcher picks the walk (dense plan, V61)
     if block_size is None:
         block_size = ART_BLOCK_SIZE if art is not None else dense_block_size(k_cache.shape[1] if paged else None,
-                                                                             head_dim)
+                                                                             head_dim, batch * kv_heads, q.device)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if art is not None and not isinstance(art, ARTParams):
@@ -679,24 +686,39 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def dense_block_size(page_size: int | None, head_dim: int = 128) -> int:
-    """The dense walk's default block size (tokens): ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64`` on either
-    layout; at ``D = 128`` on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks
-    whole ``DENSE_BLOCK_SIZE``, else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table
+def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
+                     device: torch.device | None = None) -> int:
+    """The dense walk's default block size (tokens) for ``pairs`` ``(b, kv_head)`` pairs on ``device`` (both or
+    neither given): ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64`` on either layout, except ``DENSE_BLOCK_SIZE`` where
+    128-token blocks fit the layout and one split of 64-token blocks would leave at most
+    ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` programs per multiprocessor (:func:`two_pairs_per_sm`); at ``D = 128``
+    on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks whole ``DENSE_BLOCK_SIZE``,
+    else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table
     entry and reads consecutive rows; across pages its rows are gathered per token, which 64-token blocks bear best
     (H200, B = 32 / 128 x 32k, the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against
     4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block
     128; ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
     ``D = 128``'s, and the walk of 64-token blocks at several programs per multiprocessor was the fastest at every
     shape measured: contiguous (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us) and on pages of 128 tokens
-    (V63: B = 8 x 32k 71.6 -> 54.7 us, 32 x 8k 59.8 -> 54.9, 128 x 8k 202.1 -> 192.1)."""
+    (V63: B = 8 x 32k 71.6 -> 54.7 us, 32 x 8k 59.8 -> 54.9, 128 x 8k 202.1 -> 192.1), except where about two
+    pairs share a multiprocessor: two programs of 2 warps keep too few loads in flight, and one 128-token walk of
+    4 warps per pair was 3-9 % faster (V65: 32 / 8 heads, 208 pairs x 32k, 428.8 -> 389.6 us, cuDNN 385.2)."""
+    whole_wide_blocks = page_size is None or page_size % DENSE_BLOCK_SIZE == 0
     if head_dim == 64:
+        if whole_wide_blocks and pairs is not None and two_pairs_per_sm(pairs, device):
+            return DENSE_BLOCK_SIZE
         return SMALL_HEAD_DENSE_BLOCK_SIZE
-    if page_size is None:
-        return DENSE_BLOCK_SIZE
-    if page_size % DENSE_BLOCK_SIZE == 0:
+    if whole_wide_blocks:
         return DENSE_BLOCK_SIZE
     return PAGED_DENSE_BLOCK_SIZE
+
+
+def two_pairs_per_sm(pairs: int, device: torch.device) -> bool:
+    """Whether one split of the 64-dim dense plan's 64-token blocks spreads ``pairs`` pairs over the multiprocessors
+    at more than ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] / 2`` (the plan's split count is then 1:
+    :func:`choose_num_splits`) and at most ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` per multiprocessor."""
+    sms = _num_sms(device)
+    return DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] * sms < 2 * pairs <= 2 * SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM * sms
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,

@@ -314,7 +314,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    dense_block = dense_block_size(None, head_dim)
+    dense_block = dense_block_size(None, head_dim, batch * kv_heads, q.device)
     dense_splits = choose_split_plan(batch, kv_heads, math.ceil(seqlen / dense_block), q.device, None, dense_block,
                                      head_dim)[0]
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)

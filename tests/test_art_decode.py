@@ -261,6 +261,30 @@ def test_the_dense_plan_walks_64_token_blocks_at_64_dims_and_serves_the_walks_th
     assert art_decode(q, k, v, art=config, num_splits=4, return_stats=True)[1].shape == (1, 2, 4)   # chosen: kept
 
 
+def test_the_64_dim_dense_plan_walks_128_token_blocks_where_about_two_pairs_share_a_multiprocessor(
+        record_decode_launches, monkeypatch):
+    """Where one split of 64-token blocks would leave more than 1.5 and at most 2 pairs per multiprocessor, a
+    64-dim dense call of the launcher's plan walks one split of 128-token blocks (V65) if the layout holds them
+    whole; elsewhere, and at D = 128, the block is as before."""
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    band = [pairs for pairs in range(1, 400) if art_decode_module.two_pairs_per_sm(pairs, CPU)]
+    assert band == list(range(199, 265))
+    block = art_decode_module.dense_block_size
+    assert [block(None, 64, pairs, CPU) for pairs in (198, 199, 264, 265)] == [64, 128, 128, 64]
+    assert [block(page, 64, 256, CPU) for page in (16, 64, 128, 256)] == [64, 64, 128, 128]
+    assert block(None, 64) == 64 and block(None, 128, 256, CPU) == 128 and block(64, 128, 256, CPU) == 64
+    # on 2 multiprocessors the band is 4 pairs: B = 2 x 2 KV heads walks one split of 128-token blocks
+    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 2)
+    launches = record_decode_launches(forward=True)
+    q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=5)
+    planned = art_decode(q, k, v, return_lse=True)
+    assert launches.calls[-1].kwargs["BLOCK_N"] == 128 and launches.calls[-1].grid == (1, 4)
+    chosen = art_decode(q, k, v, block_size=128, num_splits=1, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(planned, chosen))
+    art_decode(q[:1], k[:1], v[:1])                                          # 2 pairs: 64-token blocks
+    assert launches.calls[-1].kwargs["BLOCK_N"] == 64
+
+
 def test_the_dense_plan_gives_64_dim_tiles_two_warps(monkeypatch):
     """On Hopper a dense walk of the launcher's plan reads 64-dim tiles through host descriptors with 2 warps;
     a walk whose configuration the caller chose takes the monitor's 1, so that zero thresholds stay bit-identical."""
