@@ -703,6 +703,9 @@ def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | No
     (V63: B = 8 x 32k 71.6 -> 54.7 us, 32 x 8k 59.8 -> 54.9, 128 x 8k 202.1 -> 192.1), except where about two
     pairs share a multiprocessor: two programs of 2 warps keep too few loads in flight, and one 128-token walk of
     4 warps per pair was 3-9 % faster (V65: 32 / 8 heads, 208 pairs x 32k, 428.8 -> 389.6 us, cuDNN 385.2)."""
+    if (pairs is None) != (device is None):
+        raise ValueError(f"dense_block_size needs pairs and device together (or neither), got pairs={pairs!r}, "
+                         f"device={device!r}")
     whole_wide_blocks = page_size is None or page_size % DENSE_BLOCK_SIZE == 0
     if head_dim == 64:
         if whole_wide_blocks and pairs is not None and two_pairs_per_sm(pairs, device):

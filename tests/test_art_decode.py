@@ -273,6 +273,8 @@ def test_the_64_dim_dense_plan_walks_128_token_blocks_where_about_two_pairs_shar
     assert [block(None, 64, pairs, CPU) for pairs in (198, 199, 264, 265)] == [64, 128, 128, 64]
     assert [block(page, 64, 256, CPU) for page in (16, 64, 128, 256)] == [64, 64, 128, 128]
     assert block(None, 64) == 64 and block(None, 128, 256, CPU) == 128 and block(64, 128, 256, CPU) == 64
+    with pytest.raises(ValueError, match="pairs and device together"):
+        block(None, 64, 256)
     # on 2 multiprocessors the band is 4 pairs: B = 2 x 2 KV heads walks one split of 128-token blocks
     monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 2)
     launches = record_decode_launches(forward=True)
