@@ -470,8 +470,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
-            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128), 64 at ``D = 64``, or ``PAGED_DENSE_BLOCK_SIZE``
-            (64) on pages that do not hold 128-token blocks whole).
+            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where one split of
+            64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages
+            that do not hold 128-token blocks whole).
         num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`, or with ``release_walks``
             :func:`on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
