@@ -5,7 +5,9 @@ given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hin
 carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
 on-demand followers where they are lopsided, :func:`kernels.art_decode.hint_plan`).  Prefill calls run the model's
 own attention.  The hook records the share of the cached tokens each layer's calls loaded (:func:`loaded_tokens` of
-the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens)::
+the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens).  A static cache
+(``generate(..., cache_implementation="static")``) works too: the kernel is given each row's filled slots as
+``cache_seqlens`` (:func:`visible_lengths` of the decode mask)::
 
     with kernel_attention(model, ARTConfig()) as attention:
         model.generate(input_ids, max_new_tokens=32)
@@ -13,7 +15,7 @@ the kernel's ``return_stats``: the simulator's units, visited tokens over the to
 
 Where :class:`art_analysis.analysis.retention.RuleAttention` computes the same rule with the simulator,
 this is what a served model runs: the kernel's float32 online recurrence, its plan and its loads.  The kernel reads
-each sequence's first ``cache_seqlens`` keys, so a batch must not be padded (every row's cache full length); on
+each sequence's first ``cache_seqlens`` keys, so a batch must not be left-padded (hidden keys before visible ones); on
 the CPU it runs in Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported), whose bf16 dot
 is wrong: run the model in float32 or float16 there.
 """
@@ -64,17 +66,19 @@ class KernelAttention:
         if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
             raise ValueError("kernel_attention runs full causal attention: layers with a sliding window or logit "
                              "soft-capping are not supported")
-        _check_unpadded(attention_mask, key.shape[2])
+        lengths = visible_lengths(attention_mask, key.shape[0], key.shape[2])
         layer = getattr(module, "layer_idx", None)
         hint = None
         if self.walk_hints and self.art is not None:
             hint = self.hints.setdefault(layer, LongestWalkHint())
-        out, steps = art_decode(query[:, :, 0], key, value, sm_scale=scaling, art=self.art, order=self.order,
-                                walk_hint=hint, return_stats=True)
+        out, steps = art_decode(query[:, :, 0], key, value, cache_seqlens=lengths, sm_scale=scaling, art=self.art,
+                                order=self.order, walk_hint=hint, return_stats=True)
         block = ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1],
                                                                              key.shape[0] * key.shape[1], key.device)
-        tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), key.shape[2], block, self.order)
-        self.loaded.setdefault(layer, []).append(float(tokens.sum()) / (tokens.numel() * key.shape[2]))
+        cached = key.shape[2] if lengths is None else lengths.to(torch.int64)[:, None]           # [B, 1]
+        tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), cached, block, self.order)      # [B, Hkv]
+        total = tokens.numel() * key.shape[2] if lengths is None else int(lengths.sum()) * key.shape[1]
+        self.loaded.setdefault(layer, []).append(float(tokens.sum()) / total)
         return out[:, None], None
 
     def loaded_fraction(self) -> dict:
@@ -82,28 +86,39 @@ class KernelAttention:
         return {layer: sum(shares) / len(shares) for layer, shares in self.loaded.items()}
 
 
-def loaded_tokens(blocks: torch.Tensor, length: int, block_size: int, order: str) -> torch.Tensor:
+def loaded_tokens(blocks: torch.Tensor, length, block_size: int, order: str) -> torch.Tensor:
     """The cached tokens in the ``blocks`` (any shape, int64) that each ``(b, kv_head)``'s programs loaded of a cache of
-    ``length`` tokens walked in ``block_size``-token blocks in ``order``: every block holds ``block_size`` tokens
-    but the newest, which holds the rest.  A pair that loaded every block loaded ``length``.  Otherwise, walking
-    ``"sink_recency"``, two or more blocks include the newest, the order's second: the leader's range holds the
-    head of the order.  Walking ``"sequential"``, the blocks are taken as whole, so that a follower that walked its
-    range to the newest block counts that block's padding too (at most ``block_size - 1`` tokens over)."""
+    ``length`` tokens (an int, or an int64 tensor that broadcasts to ``blocks``: each pair's length) walked in
+    ``block_size``-token blocks in ``order``: every block holds ``block_size`` tokens but the newest, which holds
+    the rest.  A pair that loaded every block loaded ``length``.  Otherwise, walking ``"sink_recency"``, two or
+    more blocks include the newest, the order's second: the leader's range holds the head of the order.  Walking
+    ``"sequential"``, the blocks are taken as whole, so that a follower that walked its range to the newest block
+    counts that block's padding too (at most ``block_size - 1`` tokens over)."""
+    length = torch.as_tensor(length, dtype=blocks.dtype, device=blocks.device)
     whole = blocks * block_size
     if order == "sink_recency":
         whole = torch.where(blocks >= 2, whole - (-length % block_size), whole)
-    return torch.where(blocks >= -(-length // block_size), torch.full_like(blocks, length), whole)
+    return torch.where(blocks >= -(-length // block_size), length, whole)
 
 
-def _check_unpadded(attention_mask, keys: int) -> None:
-    """Refuse a decode mask that hides any of the ``keys`` cached keys (a padded batch)."""
+def visible_lengths(attention_mask, batch: int, keys: int) -> torch.Tensor | None:
+    """Each row's cached tokens, from a decode call's ``attention_mask`` (``[B or 1, 1, 1, >= keys]``, bool with
+    True visible, or additive with negative values hidden) over its ``keys`` cached keys: ``None`` when every key is
+    visible (a dynamic cache), else int32 ``[batch]`` when each row's visible keys are its first ones (a static
+    cache, whose slots past each row's tokens are hidden).  A mask that hides a key before a visible one (a
+    left-padded batch) is refused: the kernel reads each row's first ``cache_seqlens`` keys."""
     if attention_mask is None:
-        return
-    mask = attention_mask[..., -keys:]
-    hidden = ~mask if mask.dtype == torch.bool else mask < 0
-    if bool(hidden.any()):
-        raise ValueError("kernel_attention needs a batch without padding: the kernel reads each row's first "
-                         "cache_seqlens keys, and this decode mask hides some of the cached keys")
+        return None
+    mask = attention_mask[..., -1, -keys:]
+    visible = (mask if mask.dtype == torch.bool else mask >= 0).reshape(-1, keys).expand(batch, keys)
+    lengths = visible.sum(-1, dtype=torch.int32)
+    prefix = torch.arange(keys, device=visible.device)[None, :] < lengths[:, None]
+    if not torch.equal(visible, prefix):
+        raise ValueError("kernel_attention needs a batch without left padding: the kernel reads each row's first "
+                         "cache_seqlens keys, and this decode mask hides keys before visible ones")
+    if bool((lengths == 0).any()):
+        raise ValueError("kernel_attention: a decode row's mask hides every cached key")
+    return None if bool((lengths == keys).all()) else lengths
 
 
 @contextmanager

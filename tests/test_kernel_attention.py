@@ -8,7 +8,8 @@ import torch
 from art_analysis.analysis import retention
 from art_analysis.analysis.retention import RuleAttention, decode_rows, prefill
 from art_analysis.corpus import passkey_prompt
-from art_analysis.kernel_attention import KERNEL_ATTENTION_TAG, KernelAttention, kernel_attention, loaded_tokens
+from art_analysis.kernel_attention import (KERNEL_ATTENTION_TAG, KernelAttention, kernel_attention, loaded_tokens,
+                                           visible_lengths)
 from art_analysis.termination import ARTConfig, FixedBudget, stop
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
@@ -70,6 +71,53 @@ def test_loaded_tokens_count_the_newest_blocks_tokens_where_the_walk_read_it():
     assert loaded_tokens(torch.tensor([1, 2]), 128, 64, "sink_recency").tolist() == [64, 128]
 
 
+def test_loaded_tokens_take_each_pairs_own_length():
+    blocks = torch.tensor([[3, 2], [1, 2]])                             # lengths 150 and 100 (blocks of 64)
+    lengths = torch.tensor([[150], [100]])
+    assert loaded_tokens(blocks, lengths, 64, "sink_recency").tolist() == [[150, 86], [64, 100]]
+
+
+def test_visible_lengths_read_a_static_caches_filled_slots():
+    """A static cache's decode mask hides each row's slots past its tokens: the rows' lengths; a mask that shows
+    every key gives None (the uniform path); left padding and a row with nothing visible are refused."""
+    keys = 10
+    slots = torch.arange(keys)
+    static = (slots[None, :] < torch.tensor([[7], [10], [3]]))[:, None, None, :]     # [3, 1, 1, 10], True visible
+    assert visible_lengths(static, 3, keys).tolist() == [7, 10, 3]
+    additive = torch.zeros(3, 1, 1, keys).masked_fill(~static, torch.finfo(torch.float32).min)
+    assert visible_lengths(additive, 3, keys).tolist() == [7, 10, 3]
+    assert visible_lengths(static[:1], 2, keys).tolist() == [7, 7]                # one mask for the whole batch
+    assert visible_lengths(torch.ones(2, 1, 1, keys, dtype=torch.bool), 2, keys) is None
+    assert visible_lengths(None, 2, keys) is None
+    with pytest.raises(ValueError, match="without left padding"):
+        visible_lengths(slots[None, None, None, :] >= 2, 1, keys)
+    with pytest.raises(ValueError, match="hides every cached key"):
+        visible_lengths(torch.zeros(1, 1, 1, keys, dtype=torch.bool), 1, keys)
+
+
+def test_a_static_cache_decodes_through_the_kernel_like_a_dynamic_one(loaded, prompt):
+    """generate(cache_implementation="static") hands the kernel the whole static buffer with the unfilled slots
+    masked: it reads each row's filled slots only, so greedy decoding picks the model's own tokens densely, and
+    under ART the tokens and every call's loaded share of a dynamic cache's run."""
+    model, ids = loaded.model, torch.tensor([prompt.input_ids])
+    runs = {}
+    for name, art, cache in (("model", None, "static"), ("dense", None, "static"), ("art static", RULE, "static"),
+                             ("art dynamic", RULE, "dynamic")):
+        attention = contextlib.nullcontext() if name == "model" else kernel_attention(model, art)
+        options = {"cache_implementation": "static"} if cache == "static" else {}
+        with attention as hook, torch.inference_mode():
+            tokens = model.generate(ids, max_new_tokens=3, do_sample=False, **options)[0, ids.shape[1]:].tolist()
+        runs[name] = (tokens, None if hook is None else hook.loaded)
+    assert runs["dense"][0] == runs["model"][0]
+    assert all(v == [1.0, 1.0] for v in runs["dense"][1].values())
+    assert runs["art static"][0] == runs["art dynamic"][0]
+    static, dynamic = runs["art static"][1], runs["art dynamic"][1]
+    assert sorted(static) == sorted(dynamic)
+    for layer in static:
+        assert static[layer] == pytest.approx(dynamic[layer], abs=1e-12)
+    assert min(share for shares in static.values() for share in shares) < 0.5      # walks that stop early
+
+
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="ARTConfig, a kernels.art_params.ARTParams or None, got FixedBudget"):
         KernelAttention(FixedBudget(2))
@@ -80,9 +128,9 @@ def test_bad_input_is_refused():
     key = value = torch.zeros(1, 2, 100, 64)
     padded = torch.zeros(1, 1, 1, 100)
     padded[..., :3] = float("-inf")
-    with pytest.raises(ValueError, match="without padding"):
+    with pytest.raises(ValueError, match="without left padding"):
         hook(None, None, query, key, value, padded)
-    with pytest.raises(ValueError, match="without padding"):
+    with pytest.raises(ValueError, match="without left padding"):
         hook(None, None, query, key, value, padded == 0)
     with pytest.raises(ValueError, match="sliding window"):
         hook(None, None, query, key, value, None, sliding_window=64)
