@@ -183,8 +183,8 @@ def test_evaluate_refuses_the_kernel_backend_without_a_gpu_or_the_interpreter(mo
 @pytest.mark.gpu
 def test_on_the_gpu_the_kernel_decodes_a_bf16_model_like_its_own_attention():
     """A randomly initialised Llama with SmolLM2's attention shapes (9 / 3 heads, D = 64), bf16 on the GPU, B = 4
-    rows of 8k tokens: decoding through the dense kernel picks the model's own tokens, and ART with its walk hints
-    (recorded on the device without a sync) decodes every step of every layer."""
+    rows of 8k tokens: decoding through the dense kernel picks the model's own tokens, with a dynamic or a static
+    cache, and ART with its walk hints (recorded on the device without a sync) decodes every step of every layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -195,12 +195,15 @@ def test_on_the_gpu_the_kernel_decodes_a_bf16_model_like_its_own_attention():
     ids = torch.randint(0, 512, (4, 8192), device="cuda")
     mask = torch.ones_like(ids)
     generated = {}
-    for name, attention in (("model", contextlib.nullcontext()), ("dense", kernel_attention(model)),
-                            ("art", kernel_attention(model, ARTConfig()))):
+    static = {"cache_implementation": "static"}
+    for name, attention, options in (("model", contextlib.nullcontext(), {}), ("dense", kernel_attention(model), {}),
+                                     ("dense static", kernel_attention(model), static),
+                                     ("art", kernel_attention(model, ARTConfig()), {})):
         with attention as hook, torch.inference_mode():
             generated[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                             pad_token_id=0)[:, ids.shape[1]:]
+                                             pad_token_id=0, **options)[:, ids.shape[1]:]
     assert torch.equal(generated["dense"], generated["model"])
+    assert torch.equal(generated["dense static"], generated["model"])   # the filled slots as cache_seqlens
     assert sorted(hook.loaded) == [0, 1] and all(len(shares) == 4 for shares in hook.loaded.values())
     assert all(0 < share <= 1 for shares in hook.loaded.values() for share in shares)
     torch.cuda.synchronize()
