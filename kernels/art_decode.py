@@ -694,14 +694,14 @@ def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | No
     128-token blocks fit the layout and one split of 64-token blocks would leave at most
     ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` programs per multiprocessor (:func:`two_pairs_per_sm`); at ``D = 128``
     on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks whole ``DENSE_BLOCK_SIZE``,
-    else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table
-    entry and reads consecutive rows; across pages its rows are gathered per token, which 64-token blocks bear best
-    (H200, B = 32 / 128 x 32k, the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against
-    4.03 / 3.98 at block 128; pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block
-    128; ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
+    else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table entry and reads consecutive
+    rows; across pages its rows are gathered per token, which 64-token blocks bear best (H200, B = 32 / 128 x 32k,
+    the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against 4.03 / 3.98 at block 128;
+    pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block 128;
+    ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
     ``D = 128``'s, and the walk of 64-token blocks at several programs per multiprocessor was the fastest at every
     shape measured: contiguous (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us) and on pages of 128 tokens
-    (V63: B = 8 x 32k 71.6 -> 54.7 us, 32 x 8k 59.8 -> 54.9, 128 x 8k 202.1 -> 192.1), except where about two
+    (V63: B = 8 x 32k 71.9 -> 53.5 us, 32 x 8k 59.8 -> 53.5, 128 x 8k 194.0 -> 186.8), except where about two
     pairs share a multiprocessor: two programs of 2 warps keep too few loads in flight, and one 128-token walk of
     4 warps per pair was 3-9 % faster (V65: 32 / 8 heads, 208 pairs x 32k, 428.8 -> 389.6 us, cuDNN 385.2)."""
     if (pairs is None) != (device is None):
