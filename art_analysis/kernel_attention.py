@@ -60,7 +60,7 @@ class KernelAttention:
     def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
         if query.shape[2] != 1:
             return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        from kernels.art_decode import ART_BLOCK_SIZE, art_decode, dense_block_size
+        from kernels.art_decode import ART_BLOCK_SIZE, art_decode
         from kernels.walk_hint import LongestWalkHint
 
         if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
@@ -73,12 +73,14 @@ class KernelAttention:
             hint = self.hints.setdefault(layer, LongestWalkHint())
         out, steps = art_decode(query[:, :, 0], key, value, cache_seqlens=lengths, sm_scale=scaling, art=self.art,
                                 order=self.order, walk_hint=hint, return_stats=True)
-        block = ART_BLOCK_SIZE if self.art is not None else dense_block_size(None, key.shape[-1],
-                                                                             key.shape[0] * key.shape[1], key.device)
-        cached = key.shape[2] if lengths is None else lengths.to(torch.int64)[:, None]           # [B, 1]
-        tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), cached, block, self.order)      # [B, Hkv]
-        total = tokens.numel() * key.shape[2] if lengths is None else int(lengths.sum()) * key.shape[1]
-        self.loaded.setdefault(layer, []).append(float(tokens.sum()) / total)
+        if self.art is None:      # the dense walk loads every cached token
+            share = 1.0
+        else:
+            cached = key.shape[2] if lengths is None else lengths.to(torch.int64)[:, None]       # [B, 1]
+            tokens = loaded_tokens(steps.sum(-1, dtype=torch.int64), cached, ART_BLOCK_SIZE, self.order)  # [B, Hkv]
+            total = tokens.numel() * key.shape[2] if lengths is None else int(lengths.sum()) * key.shape[1]
+            share = float(tokens.sum()) / total
+        self.loaded.setdefault(layer, []).append(share)
         return out[:, None], None
 
     def loaded_fraction(self) -> dict:
