@@ -5,7 +5,10 @@ given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hin
 carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
 on-demand followers where they are lopsided, :func:`kernels.art_decode.hint_plan`).  Prefill calls run the model's
 own attention.  The hook records the share of the cached tokens each layer's calls loaded (:func:`loaded_tokens` of
-the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens).  A static cache
+the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens) and, told a retrieval prompt's
+``needle``, the share of query heads whose output took in a block holding a needle token (the kernel's
+``return_result_steps``: the blocks that entered the output, not a follower's blocks read before its leader
+stopped).  A static cache
 (``generate(..., cache_implementation="static")``) works too: the kernel is given each row's filled slots as
 ``cache_seqlens`` (:func:`visible_lengths` of the decode mask)::
 
@@ -28,6 +31,7 @@ from typing import Iterator
 import torch
 
 from .attention_override import override_attention
+from .orders import check_token_range, traversal_order, walkable_blocks, walks_reading
 from .termination import ARTConfig
 
 KERNEL_ATTENTION_TAG = "art_kernel"
@@ -39,13 +43,19 @@ class KernelAttention:
 
     ``art``: the rule (an :class:`~art_analysis.termination.ARTConfig` or ``kernels.art_params.ARTParams``), or
     ``None`` for the kernel's dense walk; ``order``: the blocks' traversal order; ``walk_hints``: carry each layer's
-    walks to its next call.  ``loaded[layer]`` holds, per decode call of that layer, the cached tokens its programs
-    loaded over the cached tokens (:func:`loaded_tokens` of ``return_stats``; 1.0 for dense calls)."""
+    walks to its next call; ``needle``: a ``[start, end)`` token range (a retrieval prompt's needle).
+    ``loaded[layer]`` holds, per decode call of that layer, the cached tokens its programs loaded over the cached
+    tokens (:func:`loaded_tokens` of ``return_stats``; 1.0 for dense calls); with ``needle``, ``needle_read[layer]``
+    the share of query heads whose output took in a block holding a needle token (the leading steps of the
+    traversal order that entered it, ``return_result_steps``), as the simulator's
+    :class:`art_analysis.analysis.retention.RuleAttention` records it."""
 
     art: object = None
     order: str = "sink_recency"
     walk_hints: bool = True
+    needle: tuple[int, int] | None = None
     loaded: dict = field(default_factory=dict, init=False)
+    needle_read: dict = field(default_factory=dict, init=False)
     hints: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +66,8 @@ class KernelAttention:
         if self.art is not None and not isinstance(self.art, ARTParams):
             raise TypeError(f"art must be an ARTConfig, a kernels.art_params.ARTParams or None, got "
                             f"{type(self.art).__name__}")
+        if self.needle is not None:
+            self.needle = check_token_range(self.needle)
 
     def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
         if query.shape[2] != 1:
@@ -71,8 +83,12 @@ class KernelAttention:
         hint = None
         if self.walk_hints and self.art is not None:
             hint = self.hints.setdefault(layer, LongestWalkHint())
-        out, steps = art_decode(query[:, :, 0], key, value, cache_seqlens=lengths, sm_scale=scaling, art=self.art,
-                                order=self.order, walk_hint=hint, return_stats=True)
+        out, steps, *taken = art_decode(query[:, :, 0], key, value, cache_seqlens=lengths, sm_scale=scaling,
+                                        art=self.art, order=self.order, walk_hint=hint, return_stats=True,
+                                        return_result_steps=self.needle is not None and self.art is not None)
+        if self.needle is not None:   # every KV head serves as many query heads: the share over KV heads
+            share = self._needle_share(taken[0] if taken else None, lengths, key.shape)
+            self.needle_read.setdefault(layer, []).append(share)
         if self.art is None:      # the dense walk loads every cached token
             share = 1.0
         else:
@@ -82,6 +98,20 @@ class KernelAttention:
             share = float(tokens.sum()) / total
         self.loaded.setdefault(layer, []).append(share)
         return out[:, None], None
+
+    def _needle_share(self, result_steps: torch.Tensor | None, lengths: torch.Tensor | None, key_shape) -> float:
+        """Share of the ``[B, Hkv]`` walks whose first ``result_steps`` steps (of ``ART_BLOCK_SIZE``-token blocks in
+        ``order``; ``None``: a dense call, every block) visit a needle block; ``lengths``: each row's cached tokens
+        (``None``: all ``key_shape[2]``)."""
+        from kernels.art_decode import ART_BLOCK_SIZE
+
+        batch, kv_heads, keys = key_shape[:3]
+        if lengths is None:
+            lengths = torch.full((batch,), keys, dtype=torch.int64)
+        walkable = walkable_blocks(lengths, kv_heads, -(-keys // ART_BLOCK_SIZE), ART_BLOCK_SIZE)
+        block_ids = traversal_order(self.order, walkable)                                       # [B, Hkv, T]
+        steps = walkable.sum(-1) if result_steps is None else result_steps.to(walkable.device)
+        return float(walks_reading(block_ids, steps, self.needle, ART_BLOCK_SIZE).double().mean())
 
     def loaded_fraction(self) -> dict:
         """``{layer: mean loaded share over its decode calls}``."""
@@ -124,10 +154,11 @@ def visible_lengths(attention_mask, batch: int, keys: int) -> torch.Tensor | Non
 
 
 @contextmanager
-def kernel_attention(model, art=None, *, order: str = "sink_recency",
-                     walk_hints: bool = True) -> Iterator[KernelAttention]:
+def kernel_attention(model, art=None, *, order: str = "sink_recency", walk_hints: bool = True,
+                     needle: tuple[int, int] | None = None) -> Iterator[KernelAttention]:
     """Route ``model``'s decode attention through ``kernels.art_decode`` with ``art`` (module docstring) for the
-    duration of the block; yields the :class:`KernelAttention` hook, whose ``loaded`` the calls fill."""
-    hook = KernelAttention(art=art, order=order, walk_hints=walk_hints)
+    duration of the block; yields the :class:`KernelAttention` hook, whose ``loaded`` (and, told a ``needle`` token
+    range, ``needle_read``) the calls fill."""
+    hook = KernelAttention(art=art, order=order, walk_hints=walk_hints, needle=needle)
     with override_attention(model, hook, KERNEL_ATTENTION_TAG):
         yield hook

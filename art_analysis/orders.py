@@ -19,6 +19,8 @@ entries must be exactly the walkable blocks, each once.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 ORDERS = ("sequential", "recency", "sink_recency", "importance")
@@ -103,3 +105,31 @@ def _explicit_order(order: torch.Tensor, walkable: torch.Tensor) -> torch.Tensor
     compact = torch.gather(order, -1, torch.sort(key, dim=-1, stable=True).indices)
     steps = int(present.sum(-1).max().item()) if present.numel() else 0
     return compact[..., :steps].contiguous()
+
+
+def check_token_range(tokens) -> tuple[int, int]:
+    """``tokens`` as a token range ``(start, end)``, ``0 <= start < end`` (e.g. a retrieval prompt's needle)."""
+    try:
+        start, end = (operator.index(t) for t in tokens)
+    except (TypeError, ValueError):
+        start, end = -1, -1
+    if not 0 <= start < end:
+        raise ValueError(f"needle must be a token range [start, end) with 0 <= start < end, got {tokens}")
+    return start, end
+
+
+def walks_reading(block_ids: torch.Tensor, steps: torch.Tensor, tokens: tuple[int, int],
+                  block_size: int) -> torch.Tensor:
+    """Whether each walk's first ``steps`` steps visit a block holding a token of ``tokens`` (``[start, end)``).
+
+    Args:
+        block_ids: ``LongTensor [..., T]``, the walks' traversal orders (:func:`traversal_order`, -1 padded).
+        steps: ``[...]`` (integer), the steps each walk took.
+        tokens: the token range; block_size: tokens per block.
+
+    Returns:
+        ``BoolTensor [...]``.
+    """
+    first, last = tokens[0] // block_size, (tokens[1] - 1) // block_size
+    taken = torch.arange(block_ids.shape[-1], device=block_ids.device) < steps[..., None]
+    return ((block_ids >= first) & (block_ids <= last) & taken).any(-1)

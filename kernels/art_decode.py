@@ -24,7 +24,10 @@ SmolLM2 B = 32, 8k at 5 splits, 26-block ranges, 0.0642 -> 0.0639 ms) and exit, 
 the leader alone, so the output is the simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
 end of its range without converging, the followers have covered the rest and the combine
 merges everything: the dense output (reported as a walk of all ``N`` steps).  Every program's
-step count, which is the number of blocks it loaded, is returned with ``return_stats``.
+step count, which is the number of blocks it loaded, is returned with ``return_stats``; the leading steps of the
+order whose blocks entered the output (the leader's where the combine kept it alone, else all ``N``) with
+``return_result_steps`` (the combine records how many splits it kept; the steps alone cannot tell a leader that
+stopped at the last step of its range, its followers having walked theirs, from one that walked on).
 
 Why this shape: with ``P`` programs per ``(b, kv_head)``, the dense walk ends after about
 ``N / P`` block times, while any monitor needs ``T`` sequential block times to see
@@ -452,7 +455,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False):
+               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False,
+               return_result_steps: bool = False):
     """Decode attention with optional ART termination.
 
     Args:
@@ -510,9 +514,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
             program's result (for the leader that stopped: its stop step + 1, as the simulator's
             ``stop_step + 1``), which are the blocks each program loaded.
+        return_result_steps: also return ``result_steps [B, Hkv]`` (int32): the leading steps of the traversal
+            order whose blocks entered the output.  Where the leader's result alone is the pair's (it stopped, or
+            walked the whole walk alone) its ``steps``, else the whole walk (``ceil(cache_seqlens / block_size)``
+            blocks): a follower's blocks loaded before it saw its leader stop do not count, nor does a leader that
+            stopped at the last step of its range look like one that walked on.  Under ART, the simulator's
+            ``stop_step + 1`` wherever the leader stopped.
 
     Returns:
-        ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse`` and ``steps`` when requested.
+        ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse``, ``steps`` and ``result_steps`` when requested.
     """
     batch, q_heads, head_dim = _check_tensors(q, k_cache, v_cache, block_table)
     paged = block_table is not None
@@ -617,6 +627,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
     lse = _scratch((batch, q_heads), torch.float32, q.device)
     steps = _scratch((batch, kv_heads, num_splits), torch.int32, q.device)
+    kept = _scratch((batch, kv_heads), torch.int32, q.device) if return_result_steps else steps
     single = num_splits == 1
     if single:
         part_out, part_lse, arrivals = out, lse, steps
@@ -658,7 +669,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
-        out, lse, part_out, part_lse, steps, arrivals,
+        out, lse, part_out, part_lse, steps, kept, arrivals,
         pair_walks.walks if pair_gates else _release_words(q.device, batch * kv_heads) if on_demand else steps,
         pair_walks.launch_order if longest_first else steps,
         float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
@@ -679,11 +690,14 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates,
         LONGEST_FIRST=longest_first, ON_DEMAND=on_demand, PROGRAM_THREADS=32 * num_warps,
-        POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, num_warps=num_warps,
-        num_stages=num_stages)
+        POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, RECORD_KEPT=return_result_steps,
+        num_warps=num_warps, num_stages=num_stages)
     if walk_hint is not None and monitored:
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
+    if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
+        walk = max_steps if seqlens is None else ((seqlens + block_size - 1) // block_size)[:, None]
+        results += (torch.where(kept == 1, steps[..., 0], walk),)
     return results[0] if len(results) == 1 else results
 
 

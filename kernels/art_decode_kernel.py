@@ -65,7 +65,10 @@ zero on entry; arrivals count below ``CONVERGED``, the flag adds ``CONVERGED``);
 last merges the group's partials into ``out`` and ``lse`` (``kernels.art_decode_combine.combine_group``)
 and resets the word, counter and flag, to 0 (``kernels.art_decode``, *one launch*).  Every program writes
 ``steps [B, Hkv, splits]`` (int32): the steps whose blocks entered its state (the leader's
-stop step + 1 when it stopped), which are the blocks it loaded.
+stop step + 1 when it stopped), which are the blocks it loaded.  With ``RECORD_KEPT`` each pair's
+``kept [B * Hkv]`` (int32) says how many splits entered its output: 1 where one program wrote it (one split, a
+pair walked alone) or the last arrival found the converged flag (the leader's result alone), else ``splits``;
+the program that writes the output writes it.
 """
 from __future__ import annotations
 
@@ -554,7 +557,7 @@ def _count_finished(counter_ptr, num_pairs):
 @triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "pair_limit", "release_step"])
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
+        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, kept_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
         sm_scale, tau, phi, patience, first_counted,
         num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step,
         stride_qb, stride_qh,
@@ -567,7 +570,7 @@ def art_decode_split_kernel(
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
         RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
         DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr, LONGEST_FIRST: tl.constexpr, ON_DEMAND: tl.constexpr,
-        PROGRAM_THREADS: tl.constexpr, POLL_NS: tl.constexpr):
+        PROGRAM_THREADS: tl.constexpr, POLL_NS: tl.constexpr, RECORD_KEPT: tl.constexpr):
     """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED``, ``PAIR_GATES`` or ``ON_DEMAND``.
     See the module docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred and
     on-demand followers' (``DEFERRED``, ``ON_DEMAND``; unused otherwise).  ``pair_words_ptr`` (int32) and
@@ -577,7 +580,8 @@ def art_decode_split_kernel(
     leaders still walking alone at a release; unused otherwise.  ``release_step``: with ``ON_DEMAND``, the leader's
     step from which it releases its followers whatever that count (``num_blocks`` or more: never).  ``PROGRAM_THREADS``: the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's
     sleep between polls (0: none, as in the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
-    pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).
+    pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr``
+    (int32 ``[B * Hkv]``, ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
@@ -824,20 +828,24 @@ def art_decode_split_kernel(
     lse = tl.where(has_mass, m * sm_scale + tl.log(l_safe), float("-inf"))
     if SINGLE_SPLIT:
         _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh, GROUP)
+        if RECORD_KEPT:
+            tl.store(kept_ptr + bh, 1)
     elif PAIR_GATES:
         # a pair walked alone: its leader writes the output as one split does, and nobody arrives
         if gate == num_blocks:
             if split == 0:
                 _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob,
                               stride_oh, GROUP)
+                if RECORD_KEPT:
+                    tl.store(kept_ptr + bh, 1)
         else:
-            _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh,
-                                split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
-                                ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+            _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, kept_ptr, b,
+                                kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob,
+                                stride_oh, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK, RECORD_KEPT)
     else:
-        _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh,
-                            split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
-                            ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+        _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, kept_ptr, b, kv_head,
+                            bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                            ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK, RECORD_KEPT)
 
 
 @triton.jit
@@ -851,12 +859,13 @@ def _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_
 
 
 @triton.jit
-def _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, b, kv_head, bh, split,
-                        heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh, ART: tl.constexpr,
-                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                        COMBINE_CHUNK: tl.constexpr):
+def _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, kept_ptr, b, kv_head,
+                        bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                        ART: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr, RECORD_KEPT: tl.constexpr):
     """One of several splits: its partial into ``part_out`` and ``part_lse``, then its arrival; the last to arrive
-    merges the pair's partials into ``out`` and ``lse`` (the leader's alone where it converged)."""
+    merges the pair's partials into ``out`` and ``lse`` (the leader's alone where it converged) and, with
+    ``RECORD_KEPT``, writes how many splits it merged to ``kept [B * Hkv]``."""
     part_rows = (b.to(tl.int64) * num_kv_heads * GROUP + heads) * num_splits + split
     tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
     tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
@@ -877,4 +886,6 @@ def _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, 
         combine_group(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b, kv_head, kept_splits,
                       num_kv_heads, num_splits, stride_ob, stride_oh,
                       GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
+        if RECORD_KEPT:
+            tl.store(kept_ptr + bh, kept_splits)
         tl.store(arrivals_ptr + bh, 0)

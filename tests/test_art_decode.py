@@ -185,12 +185,17 @@ def test_stop_steps_match_simulator_in_sequential_order():
 
 
 def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped():
+    """Where the leader stops, the output is the single walk's and its result steps are the simulator's; elsewhere
+    the dense walk's, over all 24 steps.  Pair (2, 0)'s leader stops at the last step of its 12: its followers have
+    walked their range too (the interpreter runs programs one at a time), so the programs' steps alone are those of
+    a walk that did not stop, and only the result steps tell it apart."""
     q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps, leader holds 12
     config = ARTConfig(tau=1e-3, phi=1e-4, patience=3)
     expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
     single = art_decode(q, k, v, art=config.kernel_params(), num_splits=1)
     dense = art_decode(q, k, v, num_splits=2, block_size=64)
-    out, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=2, return_stats=True)
+    out, steps, taken = art_decode(q, k, v, art=config.kernel_params(), num_splits=2, return_stats=True,
+                                   return_result_steps=True)
     leader_stopped = expected <= 12
     assert leader_stopped.any() and (~leader_stopped).any(), "the case must cover both outcomes"
     group = q.shape[1] // k.shape[1]
@@ -199,6 +204,8 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     assert torch.equal(out[stopped_heads], single[stopped_heads])
     assert torch.equal(steps[~leader_stopped], torch.full_like(steps[~leader_stopped], 12))
     assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
+    assert taken.dtype == torch.int32 and torch.equal(taken.long(), torch.where(leader_stopped, expected, 24))
+    assert expected[2, 0] == 12 and steps[2, 0].tolist() == [12, 12] and taken[2, 0] == 12
 
 
 @pytest.mark.parametrize("splits, config", [(1, ART_CONFIGS[0]), (1, ART_CONFIGS[1]), (1, ART_CONFIGS[4]),
@@ -332,10 +339,11 @@ def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk
     expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
     single = art_decode(q, k, v, art=config.kernel_params(), num_splits=1)
     # follow step 8 over 3 splits: the leader holds 8 + 16 // 3 = 13 steps, the followers 5 and 6 (the longer last)
-    out, lse, steps = art_decode(q, k, v, art=config.kernel_params(), num_splits=3, follow_step=8, return_lse=True,
-                                 return_stats=True)
+    out, lse, steps, taken = art_decode(q, k, v, art=config.kernel_params(), num_splits=3, follow_step=8,
+                                        return_lse=True, return_stats=True, return_result_steps=True)
     assert art_decode_module.leader_range(24, 3, 8) == 13
     stopped = expected <= 13
+    assert torch.equal(taken.long(), torch.where(stopped, expected, 24))
     assert stopped.any() and (~stopped).any(), "the case must cover both outcomes"
     group = q.shape[1] // k.shape[1]
     heads = stopped.repeat_interleave(group, dim=1)
@@ -396,9 +404,14 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
                                    release_walks=8, return_lse=True, return_stats=True), everywhere, 64, 64)
     walks = single[2][..., 0]
     for release_walks in (0, 3):
-        out, lse, steps = art_decode(q, k, v, art=params, num_splits=3, follow_step=8, release_walks=release_walks,
-                                     return_lse=True, return_stats=True)
+        out, lse, steps, taken = art_decode(q, k, v, art=params, num_splits=3, follow_step=8,
+                                            release_walks=release_walks, return_lse=True, return_stats=True,
+                                            return_result_steps=True)
         released = (torch.arange(8).view(4, 2) >= 8 - release_walks) & (walks > 8)
+        # a pair walked alone took its single walk; a released one, its leader's stop within its share, or all 24
+        leader_stopped = steps[..., 0] < torch.where(released, 13, 24)
+        assert torch.equal(taken, torch.where(released & ~leader_stopped, 24, steps[..., 0]))
+        assert torch.equal(taken[~released], walks[~released])
         # the last three pairs pass the follow step; one of them walks past its leader's share, so its followers walk
         assert released.sum() == (3 if release_walks else 0) and bool(steps[..., 1:].any()) == bool(release_walks)
         heads = released.repeat_interleave(4, dim=1)
@@ -447,15 +460,17 @@ def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, 
     q, k, v = synthetic_inputs(3, 8, 2, 1536, 64, torch.float16, CPU, seed=3)   # 24 steps, 6 pairs
     params = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
     single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
-    leader = art_decode(q, k, v, art=params, num_splits=3, return_lse=True, return_stats=True)
+    leader = art_decode(q, k, v, art=params, num_splits=3, return_lse=True, return_stats=True,
+                        return_result_steps=True)
     walks = single[2][..., 0]
     threshold = int(walks.flatten().sort().values[2])
     split = walks > threshold
     assert split.any() and (~split).any() and (single[2][split] < 24).any(), "the case must cover both plans"
     monkeypatch.setattr(art_decode_module, "choose_pair_plan", lambda *args: (3, threshold))
     launches = record_decode_launches(forward=True)
-    out, lse, steps = art_decode(q, k, v, art=params, pair_walks=PairWalks.from_walks(walks), return_lse=True,
-                                 return_stats=True)
+    out, lse, steps, taken = art_decode(q, k, v, art=params, pair_walks=PairWalks.from_walks(walks),
+                                        return_lse=True, return_stats=True, return_result_steps=True)
+    assert torch.equal(taken[split], leader[3][split]) and torch.equal(taken[~split], walks[~split])
     call = launches.calls[0]
     assert call.grid == (6, 3) and call.kwargs["PAIR_GATES"] and not call.kwargs["DEFERRED"]
     assert call.args[launches.kernel.arg_names.index("pair_limit")] == threshold
@@ -485,13 +500,15 @@ def test_a_call_told_each_walk_launches_the_longest_first_with_the_same_results(
     assert order != sorted(order), "the case must launch the pairs out of their order"
     assert walks.flatten()[order].tolist() == sorted(walks.flatten().tolist(), reverse=True)
     launches = record_decode_launches(forward=True)
-    longest_first = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True)
+    longest_first = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True,
+                               return_result_steps=True)
     baseline = art_decode(q, k, v, art=params, longest_stop_steps=int(walks.max()), return_lse=True,
                           return_stats=True)
     assert [call.kwargs["LONGEST_FIRST"] for call in launches.calls] == [True, False]
     assert [call.grid for call in launches.calls] == [(1, 6), (1, 6)], "both calls must be the single walk"
     for got, expected, single in zip(longest_first, baseline, in_order):
         assert torch.equal(got, expected) and torch.equal(got, single)
+    assert torch.equal(longest_first[3], walks), "each pair's result steps, written at its own index"
 
 
 def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gains():
@@ -756,14 +773,16 @@ def test_outputs_fully_written_over_nan_poisoned_buffers(monkeypatch):
     seqlens = torch.tensor([600, 1, 130], dtype=torch.int32)
     config = ARTConfig(tau=1e-3, phi=1e-4, patience=2).kernel_params()
     clean = [art_decode(q, k, v, cache_seqlens=seqlens, art=art, num_splits=splits, return_lse=True,
-                        return_stats=True) for art in (None, config) for splits in (1, 4)]
+                        return_stats=True, return_result_steps=True) for art in (None, config) for splits in (1, 4)]
     monkeypatch.setattr(art_decode_module, "_scratch", poisoned)
     dirty = [art_decode(q, k, v, cache_seqlens=seqlens, art=art, num_splits=splits, return_lse=True,
-                        return_stats=True) for art in (None, config) for splits in (1, 4)]
-    for (out, lse, steps), reference in zip(dirty, clean):
-        assert torch.isfinite(out).all() and torch.isfinite(lse).all() and (steps >= 0).all()
-        for a, b in zip((out, lse, steps), reference):
+                        return_stats=True, return_result_steps=True) for art in (None, config) for splits in (1, 4)]
+    for (out, lse, steps, taken), reference in zip(dirty, clean):
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all() and (steps >= 0).all() and (taken >= 1).all()
+        for a, b in zip((out, lse, steps, taken), reference):
             assert torch.equal(a, b)
+    # the dense walks' result steps are every block of each length (1, 10 and 3 of 64 tokens)
+    assert all(reference[3].tolist() == [[10, 10], [1, 1], [3, 3]] for reference in clean[:2])
 
 
 @pytest.mark.parametrize("art", [None, ARTConfig(tau=1e-3, phi=1e-4, patience=2)], ids=["dense", "art"])
@@ -1096,8 +1115,10 @@ def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
 def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(batch, seqlen, splits, follow_step):
     # the leader scheme's result must not depend on timing: where the leader stopped, the single-split
     # output bit for bit (the followers' early exits dropped); elsewhere the dense output of that partition (the
-    # never-stopping call's, which is the dense call's bit for bit without deferred followers).  Deferred
-    # followers of a leader that stopped by the follow step load nothing.
+    # never-stopping call's, which is the dense call's bit for bit without deferred followers).  The result steps
+    # say which: the leader's steps, or the whole walk (a leader that stopped on the last step of its range walked
+    # as far as one that did not stop).  Deferred followers of a leader that stopped by the follow step load
+    # nothing.
     q, k, v = synthetic_inputs(batch, 32, 8, seqlen, 128, torch.bfloat16, _cuda(), seed=batch)
     leader_range = art_decode_module.leader_range(seqlen // 64, splits, follow_step)
     held_back_pairs = 0
@@ -1108,14 +1129,12 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
         dense = art_decode(q, k, v, art=never, num_splits=splits, follow_step=follow_step)
         mismatched_calls = 0
         for _ in range(20):
-            out, steps = art_decode(q, k, v, art=params, num_splits=splits, follow_step=follow_step,
-                                    return_stats=True)
-            leader = steps[..., 0].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            is_single = (out == single).all(-1)
-            is_dense = (out == dense).all(-1)
-            # a leader that stopped on the last step of its range visited all of it: either result is right
-            right = torch.where(leader < leader_range, is_single, torch.where(leader == leader_range, is_single | is_dense,
-                                                                                is_dense))
+            out, steps, taken = art_decode(q, k, v, art=params, num_splits=splits, follow_step=follow_step,
+                                           return_stats=True, return_result_steps=True)
+            walks = seqlen // 64
+            assert bool(((taken == steps[..., 0]) | ((taken == walks) & (steps[..., 0] == leader_range))).all())
+            whole = (taken == walks).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            right = torch.where(whole, (out == dense).all(-1), (out == single).all(-1))
             mismatched_calls += int(not bool(right.all()))
             if follow_step:
                 held_back = steps[..., 0] <= follow_step
@@ -1167,10 +1186,11 @@ def test_gpu_on_demand_followers_give_each_pair_the_single_walk_or_the_whole_att
     single = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_stats=True)
     released_pairs = 0
     for _ in range(5):
-        out, lse, steps = art_decode(q, k, v, art=params, num_splits=4, release_walks=132, return_lse=True,
-                                     return_stats=True)
+        out, lse, steps, taken = art_decode(q, k, v, art=params, num_splits=4, release_walks=132, return_lse=True,
+                                            return_stats=True, return_result_steps=True)
         alone = steps[..., 1:].sum(-1) == 0
         whole = ~alone & (steps[..., 0] != single[2][..., 0])
+        assert torch.equal(taken, torch.where(whole, 128, single[2][..., 0])), "the output's steps, as recorded"
         assert torch.equal(steps[..., 0][alone], single[2][..., 0][alone])
         heads = (~whole).repeat_interleave(4, dim=1)
         assert torch.equal(out[heads], single[0][heads]) and torch.equal(lse[heads], single[1][heads])

@@ -70,7 +70,7 @@ def _compile_request(label: str, arg_names, call) -> dict:
 # 8 read half the tile, larger ones all of it), both orders, one split and the leader scheme, ragged and uniform
 # lengths (descriptors made in the kernel or on the host), deferred and on-demand followers, per-pair splits, the
 # paged layout (one tile per page of 16 tokens, one per block within a page, pointer loads on pages of 8), the dense
-# walk, fp32 and the smaller blocks.
+# walk, fp32 and the smaller blocks; and the builds that record the splits each output kept (result steps).
 CASES = [
     ("group 4, one split, uniform", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1)),
     ("group 12, one split, uniform", 24, 2, 128, torch.bfloat16, True, dict(num_splits=1)),
@@ -92,6 +92,12 @@ CASES = [
      dict(num_splits=8, follow_step=34, release_walks=132)),
     ("group 4, on-demand followers, ragged", 32, 8, 128, torch.bfloat16, True,
      dict(num_splits=4, release_walks=66, ragged=True)),
+    ("group 3, one split, result steps, D 64", 9, 3, 64, torch.bfloat16, True,
+     dict(num_splits=1, return_result_steps=True)),
+    ("group 4, deferred followers, result steps", 32, 8, 128, torch.bfloat16, True,
+     dict(num_splits=4, follow_step=34, return_result_steps=True)),
+    ("group 3, per-pair splits, result steps, D 64", 9, 3, 64, torch.bfloat16, True,
+     dict(lopsided_walks=True, return_result_steps=True)),
 ]
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from art_analysis.blockwise import BlockwiseAttention, blockwise_attention
-from art_analysis.orders import ORDERS
+from art_analysis.orders import ORDERS, check_token_range, walks_reading
 
 
 def reference_attention(q, k, v, seqlens, sm_scale=None, selection=None, block_size=None):
@@ -114,6 +114,18 @@ def test_orders_visit_blocks_in_the_documented_sequence():
     trace = blockwise_attention(q, k, v, block_size=16, order="importance", block_scores=scores)
     assert trace.block_ids[0, 0].tolist() == [1, 3, 0, 4, 2]
     assert trace.block_tokens[0, 0].tolist() == [16, 16, 16, 13, 16]
+
+
+def test_walks_reading_a_token_range_take_only_their_first_steps():
+    ids = torch.tensor([[0, 4, 3, 2, 1], [0, 4, 3, -1, -1]])        # sink then newest, blocks of 16; the 2nd: 3 steps
+    needle = (33, 50)                                               # tokens in blocks 2 and 3
+    assert walks_reading(ids, torch.tensor([2, 2]), needle, 16).tolist() == [False, False]
+    assert walks_reading(ids, torch.tensor([3, 3]), needle, 16).tolist() == [True, True]     # block 3, third
+    assert walks_reading(ids, torch.tensor([5, 5]), (16, 17), 16).tolist() == [True, False]  # block 1: not walked
+    assert check_token_range((torch.tensor(3), 7)) == (3, 7)
+    for bad in ((5, 5), (-1, 2), (1.5, 3), (1, 2, 3), None):
+        with pytest.raises(ValueError, match="token range"):
+            check_token_range(bad)
 
 
 def test_block_mass_and_contribution_match_their_definitions():

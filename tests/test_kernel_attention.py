@@ -1,16 +1,19 @@
 """`art_analysis.kernel_attention`: the SmolLM2 model decoding through the ART Triton kernel (CPU interpreter)."""
 import contextlib
-import math
 
 import pytest
 import torch
 
 from art_analysis.analysis import retention
 from art_analysis.analysis.retention import RuleAttention, decode_rows, prefill
+from art_analysis.blockwise import blockwise_attention
 from art_analysis.corpus import passkey_prompt
 from art_analysis.kernel_attention import (KERNEL_ATTENTION_TAG, KernelAttention, kernel_attention, loaded_tokens,
                                            visible_lengths)
-from art_analysis.termination import ARTConfig, FixedBudget, stop
+from art_analysis.orders import walks_reading
+from art_analysis.termination import ARTConfig, FixedBudget, kernel_walk_steps, stop
+import kernels.art_decode as art_decode_module
+from kernels.art_decode import art_decode, leader_range
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
 
@@ -118,6 +121,45 @@ def test_a_static_cache_decodes_through_the_kernel_like_a_dynamic_one(loaded, pr
     assert min(share for shares in static.values() for share in shares) < 0.5      # walks that stop early
 
 
+def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prompt, monkeypatch):
+    """Decoding through the kernel told the prompt's needle, each call records the share of query heads whose
+    output took in a needle block: on the call's own inputs, the simulator's walks under the rule with one split,
+    and over 2 splits (followers at once) the walks the kernel's output holds, the simulator's where the leader
+    stops within its range, else the whole cache (though the followers of a leader that stopped loaded blocks past
+    its stop step).  A dense call's output takes in every block."""
+    model, steps = loaded.model, 2
+    layers = model.config.num_hidden_layers
+    needle = (prompt.needle_start, prompt.needle_end)
+    for splits in (1, 2):
+        expected, cut = [], 0     # per call, the share of walks whose output holds a needle block
+
+        def checked(q, k, v, *, sm_scale, **kwargs):
+            nonlocal cut
+            trace = blockwise_attention(q, k, v, block_size=64, order="sink_recency", sm_scale=sm_scale)
+            walks = kernel_walk_steps(stop(trace, RULE), k.shape[1])                           # [1, Hkv]
+            blocks = trace.block_ids.shape[-1]
+            taken = torch.where(walks <= leader_range(blocks, splits, 0), walks, blocks)
+            cut += int((taken != walks).any())
+            expected.append(float(walks_reading(trace.block_ids, taken, needle, 64).double().mean()))
+            return art_decode(q, k, v, sm_scale=sm_scale, num_splits=splits, follow_step=0, **kwargs)
+
+        monkeypatch.setattr(art_decode_module, "art_decode", checked)
+        kernel = KernelAttention(RULE, needle=needle)
+        cache, first = prefill(model, prompt.input_ids)
+        decode_rows(model, cache, [first], steps, kernel)
+        got = [kernel.needle_read[layer][step] for step in range(steps) for layer in range(layers)]
+        assert got == pytest.approx(expected, abs=1e-12), splits
+        assert min(got) < max(got), "the calls must cover walks that read the needle and walks that stop before it"
+        assert (cut > 0) == (splits == 2), "over 2 splits some leaders must walk past their range"
+    monkeypatch.undo()
+    dense = KernelAttention(None, needle=needle)
+    cache, first = prefill(model, prompt.input_ids)
+    decode_rows(model, cache, [first], steps, dense)
+    assert all(shares == [1.0] * steps for shares in dense.needle_read.values())
+    with pytest.raises(ValueError, match="needle must be a token range"):
+        KernelAttention(RULE, needle=(5, 5))
+
+
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="ARTConfig, a kernels.art_params.ARTParams or None, got FixedBudget"):
         KernelAttention(FixedBudget(2))
@@ -142,8 +184,8 @@ def test_bad_input_is_refused():
 
 def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, prompt):
     """compare_generation(backend="kernel") decodes the ART rule through the kernel and the coverage rule in the
-    simulator: the kernel's row has the simulator backend's tokens, loaded fraction and, within float32 rounding,
-    KL, and no needle share; the other rows are the simulator backend's."""
+    simulator: the kernel's row has the simulator backend's tokens, loaded fraction, needle share and, within
+    float32 rounding, KL; the other rows are the simulator backend's."""
     from art_analysis.analysis.retention import compare_generation
     from art_analysis.termination import MassCoverage
 
@@ -160,7 +202,8 @@ def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, promp
     assert on_kernel["loaded_fraction"] == pytest.approx(in_simulator["loaded_fraction"], abs=1e-12)
     assert on_kernel["loaded_fraction"] < 0.9
     assert on_kernel["kl_max"] == pytest.approx(in_simulator["kl_max"], abs=1e-4)
-    assert math.isnan(on_kernel["needle_read"]) and not math.isnan(in_simulator["needle_read"])
+    assert on_kernel["needle_read"] == pytest.approx(in_simulator["needle_read"], abs=1e-12)
+    assert 0 < on_kernel["needle_read"] < 1, "some walks stop before the needle's block, some read it"
     for rule in ("dense", "coverage: " + MassCoverage(0.9).name):   # a batch of two rows instead of three
         for column in ("token_agreement", "accuracy", "loaded_fraction", "needle_read", "first_divergence"):
             assert kernel.loc[rule, column] == pytest.approx(simulator.loc[rule, column], abs=1e-12)

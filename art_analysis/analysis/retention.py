@@ -34,6 +34,7 @@ from ..blockwise import blockwise_attention
 from ..corpus import Prompt
 from ..kernel_attention import KernelAttention
 from ..models import cache_argument
+from ..orders import check_token_range, walks_reading
 from ..policies.quest import group_block_bounds
 from ..termination import ARTConfig, Rule, stop
 
@@ -61,17 +62,15 @@ class RuleAttention:
         self.rules = list(self.rules)
         if not self.rules:
             raise ValueError("RuleAttention needs one rule (or None) per batch row")
-        if self.needle is not None and not 0 <= self.needle[0] < self.needle[1]:
-            raise ValueError(f"needle must be a token range [start, end) with 0 <= start < end, got {self.needle}")
+        if self.needle is not None:
+            self.needle = check_token_range(self.needle)
         self.loaded = [[] for _ in self.rules]
         self.needle_read = [[] for _ in self.rules]
 
     def _needle_share(self, trace, stop_step: torch.Tensor, row: int) -> float:
         """Share of row ``row``'s query heads whose steps ``0..stop_step`` include a needle block."""
-        first, last = self.needle[0] // self.block_size, (self.needle[1] - 1) // self.block_size
         ids = trace.block_ids[row].repeat_interleave(trace.group_size, dim=0)             # [Hq, T]
-        taken = torch.arange(ids.shape[-1], device=ids.device) <= stop_step[row][:, None]
-        return float(((ids >= first) & (ids <= last) & taken).any(-1).double().mean())
+        return float(walks_reading(ids, stop_step[row] + 1, self.needle, self.block_size).double().mean())
 
     def __call__(self, base, module, query, key, value, attention_mask, scaling=None, **kwargs):
         if query.shape[2] != 1:
@@ -168,8 +167,7 @@ def _decode_rules(model, cache, first: int, steps: int, rules: Sequence[Rule | N
     """Decode ``steps`` tokens from the prefilled ``cache`` with every rule of ``rules`` (its rows in that order).
 
     Returns ``tokens [R, steps + 1]``, ``logprobs [R, steps, vocab]`` (as :func:`decode_rows`), and per rule the
-    loaded fractions of its decode calls and the needle shares (none for the kernel's rows, which do not record
-    the blocks of each head's walk)."""
+    loaded fractions of its decode calls and their needle shares (with ``needle``)."""
     on_kernel = [r for r, rule in enumerate(rules) if backend == "kernel" and runs_on_kernel(rule)]
     in_batch = [r for r in range(len(rules)) if r not in on_kernel]
     tokens, logprobs = [None] * len(rules), [None] * len(rules)
@@ -182,10 +180,11 @@ def _decode_rules(model, cache, first: int, steps: int, rules: Sequence[Rule | N
             tokens[r], logprobs[r] = batch_tokens[i], batch_logprobs[i]
             loaded[r], needle_read[r] = hook.loaded[i], hook.needle_read[i]
     for r in on_kernel:
-        hook = KernelAttention(rules[r], order=order)
+        hook = KernelAttention(rules[r], order=order, needle=needle)
         row_tokens, row_logprobs = decode_rows(model, _repeated(cache, 1), [first], steps, hook, forced=forced)
         tokens[r], logprobs[r] = row_tokens[0], row_logprobs[0]
         loaded[r] = [share for shares in hook.loaded.values() for share in shares]
+        needle_read[r] = [share for shares in hook.needle_read.values() for share in shares]
     return torch.stack(tokens), torch.stack(logprobs), loaded, needle_read
 
 
@@ -203,7 +202,7 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         backend: ``"simulator"``, or ``"kernel"``: the ART rules that :func:`runs_on_kernel` accepts decode through
             the Triton kernel (module docstring; ``block_size`` 64, ``order`` ``"sequential"`` or
             ``"sink_recency"``; on the CPU with ``TRITON_INTERPRET=1`` set before ``triton`` is imported, and a
-            model in float32 or float16), their rows named ``"<name>: <rule> (kernel)"``, with no ``needle_read``.
+            model in float32 or float16), their rows named ``"<name>: <rule> (kernel)"``.
 
     Returns:
         One row per ``(task, rule)`` (``task`` is the prompts' kind): ``rule, order, accuracy``
