@@ -44,10 +44,11 @@ for art in (None, ARTParams(tau=1e-3, phi=1e-4, patience=2)):
         # uniform lengths: one scalar length, descriptors made on the host and bounded at the length
         out = art_decode(q, kv[0], kv[1], cache_seqlens=torch.full_like(lengths, 513), art=art, num_splits=splits,
                          block_size=64)
-# deferred followers: released at step 3 of the leader (ragged, pointer loads) or waiting for a leader that stops
+# deferred followers: released at step 3 of the leader (ragged, pointer loads) or waiting for a leader that stops;
+# the combine records the splits it kept (result steps)
 for follow in (3, 40):
-    out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
-                     num_splits=4, follow_step=follow, block_size=64)
+    out, taken = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),
+                            num_splits=4, follow_step=follow, block_size=64, return_result_steps=True)
 # per-pair splits (the plan forced: small shapes take several splits anyway): pairs told they walk long take 4
 # splits at once, the others walk alone with empty followers (ragged and uniform lengths, 128- and 64-dim tiles)
 import kernels.art_decode as launcher
