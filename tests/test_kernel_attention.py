@@ -127,7 +127,7 @@ def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prom
     and over 2 splits (followers at once) the walks the kernel's output holds, the simulator's where the leader
     stops within its range, else the whole cache (though the followers of a leader that stopped loaded blocks past
     its stop step).  A dense call's output takes in every block."""
-    model, steps = loaded.model, 2
+    model, steps = loaded.model, 1
     layers = model.config.num_hidden_layers
     needle = (prompt.needle_start, prompt.needle_end)
     for splits in (1, 2):
