@@ -48,7 +48,11 @@ nothing from ``art_analysis``); two distinct sequences are generated per length 
 over the batch.  Throughput is KV bytes read once (``2 B Hkv S D`` elements) over time; ART
 rows also report the *loaded fraction*, the K/V blocks the programs really loaded
 (``return_stats``) over all blocks, and check the target
-``ms <= 1.15 * loaded_fraction * dense_ms + 0.010``.
+``ms <= 1.15 * loaded_fraction * dense_ms + 0.010``.  They also report ``stopped_pairs``, the share of
+``(b, kv_head)`` pairs whose output stopped before the walk's last block (``return_result_steps``), next to
+``single_stopped_pairs``, the share whose single walk stops: what the split plan keeps of the rule's termination in
+the output (a leader that cannot stop in its range gives the whole attention), where the loaded fraction counts
+the traffic, the followers' too.
 
 A monitored walk is sequential: its step ``t`` cannot start before step ``t - 1`` has been checked.  So
 an ART call cannot end before its longest leader walk (``leader_steps_max`` blocks) has run at the
@@ -341,8 +345,9 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
                                       loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
+    single_stopped = stopped_share(single_steps[..., 0], blocks)
     for impl, hint in (("art", None), ("art_calibrated", pair_walks)):
-        _, steps = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True)
+        _, steps, taken = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True, return_result_steps=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
         planned_splits, follow_step = default_split_plan(q, k, art, None if hint is None else longest)
         pair_plan = None if hint is None else bench_pair_plan(q, k, art, hint)
@@ -351,7 +356,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                             loaded_fraction=loaded_fraction(steps, seqlen),
                             monitor_runs=leader_can_stop(blocks, 1 if pair_plan else planned_splits, art, follow_step),
                             leader_steps_mean=float(steps[..., 0].float().mean()),
-                            leader_steps_max=int(steps[..., 0].max()))
+                            leader_steps_max=int(steps[..., 0].max()),
+                            stopped_pairs=stopped_share(taken, blocks), single_stopped_pairs=single_stopped)
         if pair_plan is not None:
             extras[impl].update(pair_split_threshold=pair_plan[1],
                                 pair_split_walks=sum(w > pair_plan[1] for w in hint.sorted_walks))
@@ -388,6 +394,12 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                 row["time_bound_below_walks_dense"] = row["time_bound_ms"] < row["walks_dense_ms"]
     _speedups(rows)
     return rows
+
+
+def stopped_share(result_steps: torch.Tensor, blocks: int) -> float:
+    """The share of ``(b, kv_head)`` pairs whose output stopped before the last of the walk's ``blocks``:
+    ``result_steps [B, Hkv]`` (``art_decode``'s ``return_result_steps``, or a single walk's steps)."""
+    return float((result_steps < blocks).double().mean())
 
 
 def _upper_median(values) -> float | None:
@@ -625,6 +637,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
     calibrated_rows = [r for r in rows if r["impl"] == "art_calibrated" and "meets_time_bound" in r]
     modelled = [r["ms"] / r["model_ms"] for r in art_rows if "model_ms" in r]
+    stops = [(r["stopped_pairs"], r["single_stopped_pairs"]) for r in art_rows if "stopped_pairs" in r]
     replayed = [r["ms"] / r["walks_dense_ms"] for r in art_rows if "walks_dense_ms" in r]
     return {
         "copy_ceiling_tb_per_s": ceiling,
@@ -661,6 +674,9 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_rows_meeting_time_bound_memset_flush": sum(r.get("meets_time_bound_memset_flush", False) for r in art_rows),
         "art_calibrated_rows_meeting_time_bound_memset_flush": sum(
             r.get("meets_time_bound_memset_flush", False) for r in calibrated_rows),
+        "art_rows_with_stopped_pairs": len(stops),
+        "art_rows_keeping_every_stop": sum(kept == single for kept, single in stops),
+        "art_stopped_pairs_over_single_min": min((kept / single for kept, single in stops if single), default=None),
         "art_rows_modelled": len(modelled),
         "art_ms_over_model_min": min(modelled, default=None),
         "art_ms_over_model_max": max(modelled, default=None),

@@ -160,6 +160,13 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["art_rows_meeting_time_bound_memset_flush"] == 1
     assert summary["art_calibrated_rows_meeting_time_bound_memset_flush"] == 1
     assert summary["art_rows_meeting_time_bound"] == 1                 # the read-flush count is unchanged
+    # the stops the plan keeps in the output, over the rows that report them
+    assert summary["art_rows_with_stopped_pairs"] == 0 and summary["art_stopped_pairs_over_single_min"] is None
+    rows[5].update(stopped_pairs=0.25, single_stopped_pairs=1.0)                # a leader range too short for most
+    rows[10].update(stopped_pairs=0.5, single_stopped_pairs=0.5)
+    summary = summarise(rows, 4.2)
+    assert summary["art_rows_with_stopped_pairs"] == 2 and summary["art_rows_keeping_every_stop"] == 1
+    assert summary["art_stopped_pairs_over_single_min"] == pytest.approx(0.25)
     # never stopping at the default plan, over dense: absent rows give None, the worst shape is named
     assert summary["never_default_over_dense_max"] is None and summary["never_default_worst_shape"] is None
     rows += [row("art_never_default", 1.53), row("art_never_default", 0.063, batch=1)]   # over 1.02 and 0.06
@@ -280,6 +287,10 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     assert by_impl["art"]["latency_floor_ms"] == (5.0 + 2.0 * by_impl["art"]["leader_steps_max"]) / 1e3
     assert by_impl["art"]["time_bound_below_latency_floor"] == (
         by_impl["art"]["time_bound_ms"] < by_impl["art"]["latency_floor_ms"])
+    # the share of pairs whose output stopped before the walk's end (4 blocks), and of those whose single walk does
+    assert by_impl["art"]["single_stopped_pairs"] == float((single[..., 0] < 4).double().mean())
+    _, _, taken = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True, return_result_steps=True)
+    assert by_impl["art"]["stopped_pairs"] == float((taken < 4).double().mean())
     # one split (one multiprocessor off the GPU): the walks' fluid model at the dense row's throughput
     assert by_impl["art"]["num_splits"] == 1
     walks = steps[..., 0].flatten().tolist()
