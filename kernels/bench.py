@@ -71,7 +71,9 @@ cost on those walks; a time bound below it (``time_bound_below_walks_dense``) is
 misses on the same blocks.  Given the simulator's replay
 (the CLI passes it), the run also compares the kernel's single-split walks on each length's distinct sequences
 with the simulator's, at the benchmark's sizes (``stop_agreement``: pairs equal, off by one, the largest
-difference).
+difference), and the default plan's outputs on them with the blocks the simulator's walks give them
+(``plan_equal``: the walk where it ends within the leader's range, else every block; ``plan_stopped`` against
+``stopped``, the outputs that stopped before the walk's end).
 
 ``run(out_dir, quick, art=..., make_cache=..., capture=..., replay=...)`` writes
 ``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, the stop agreement,
@@ -95,7 +97,8 @@ import triton.testing
 from tqdm.auto import tqdm
 
 from .art_decode import (ART_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
-                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_splits)
+                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_range,
+                         leader_splits)
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
@@ -229,16 +232,28 @@ def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTPa
                    replay: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> dict:
     """The kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` against ``replay(q, k, v)``
     (the simulator's ``[B, Hkv]`` blocks per walk): ``{"pairs", "equal", "off_by_one", "max_abs_diff",
-    "differences": {diff: pairs}}`` (kernel minus simulator, the unequal pairs only)."""
+    "differences": {diff: pairs}}`` (kernel minus simulator, the unequal pairs only); and the default plan's
+    (``plan_num_splits``, ``plan_follow_step``): ``plan_equal``, the pairs whose output holds the blocks the
+    simulator says (``return_result_steps``: the simulator's walk where it ends within the leader's range, else the
+    whole walk), and ``plan_stopped`` / ``stopped``, the pairs whose output stopped before the walk's end under the
+    plan / in the simulator."""
     _, steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
     expected = replay(q, k, v)
     if tuple(expected.shape) != tuple(steps.shape[:2]):
         raise ValueError(f"replay must return [B, Hkv] = {tuple(steps.shape[:2])}, got {tuple(expected.shape)}")
     diff = (steps[..., 0].long().cpu() - expected.long().cpu()).flatten()
     unequal = diff[diff != 0].tolist()
+    blocks = math.ceil(k.shape[2] / ART_BLOCK_SIZE)
+    plan_splits, follow_step = default_split_plan(q, k, art, None)
+    _, _, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True)
+    walks = expected.long().cpu()
+    kept = torch.where(walks <= leader_range(blocks, plan_splits, follow_step), walks, blocks)
     return {"pairs": diff.numel(), "equal": int((diff == 0).sum()), "off_by_one": int((diff.abs() == 1).sum()),
             "max_abs_diff": int(diff.abs().max()),
-            "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))}}
+            "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))},
+            "plan_num_splits": plan_splits, "plan_follow_step": follow_step,
+            "plan_equal": int((taken.long().cpu() == kept).sum()), "plan_stopped": int((taken < blocks).sum()),
+            "stopped": int((walks < blocks).sum())}
 
 
 def _peer_fns(q, k, v, flex: bool) -> dict:
@@ -687,7 +702,10 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
             not r["meets_time_bound"] and r.get("time_bound_below_walks_dense", False) for r in art_rows),
         **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
         **({"stop_steps_equal": sum(a["equal"] for a in agreement), "stop_steps_pairs": sum(a["pairs"] for a in agreement),
-            "stop_steps_max_abs_diff": max(a["max_abs_diff"] for a in agreement)} if agreement else {}),
+            "stop_steps_max_abs_diff": max(a["max_abs_diff"] for a in agreement),
+            "plan_result_steps_equal": sum(a["plan_equal"] for a in agreement),
+            "plan_stopped_pairs": sum(a["plan_stopped"] for a in agreement),
+            "simulator_stopped_pairs": sum(a["stopped"] for a in agreement)} if agreement else {}),
     }
 
 

@@ -407,7 +407,11 @@ def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid
     assert config(cuda, 64, 64, 8, "pointers", paged=True) == (2, 5)
 
 
-def test_stop_agreement_counts_the_walks_equal_to_the_simulators():
+def test_stop_agreement_counts_the_walks_equal_to_the_simulators(monkeypatch):
+    """The single walks against the simulator's, and the default plan's outputs against the blocks the simulator's
+    walks give them: on one multiprocessor the plan is the single walk (walks of 12 / 6 / 9 / 5 of 16 blocks, all
+    stopped); on 132 it takes 4 splits, whose leaders hold 4 blocks, so that a walk of more runs dense."""
+    import kernels.art_decode as launcher
     from art_analysis.synthetic import synthetic_cache
     from art_analysis.termination import ARTConfig, replay_kernel_walks
     from kernels.bench import stop_agreement
@@ -417,17 +421,33 @@ def test_stop_agreement_counts_the_walks_equal_to_the_simulators():
     config = ARTConfig(tau=2e-2, phi=1e-3, patience=3)
     replay = lambda q, k, v: replay_kernel_walks(q, k, v, config)                  # noqa: E731
     exact = stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), replay)
-    assert exact == {"pairs": 4, "equal": 4, "off_by_one": 0, "max_abs_diff": 0, "differences": {}}
+    plan = {"plan_num_splits": 1, "plan_follow_step": 0, "plan_equal": 4, "plan_stopped": 4, "stopped": 4}
+    assert exact == {"pairs": 4, "equal": 4, "off_by_one": 0, "max_abs_diff": 0, "differences": {}, **plan}
     walks = replay(cache.q, cache.k, cache.v)
+    assert walks.tolist() == [[12, 6], [9, 5]]
     shifted = lambda q, k, v: walks + torch.tensor([[1, 0], [0, -3]])              # noqa: E731
     report = stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), shifted)
-    assert report == {"pairs": 4, "equal": 2, "off_by_one": 1, "max_abs_diff": 3, "differences": {"-1": 1, "3": 1}}
+    assert report == {"pairs": 4, "equal": 2, "off_by_one": 1, "max_abs_diff": 3, "differences": {"-1": 1, "3": 1},
+                      **plan, "plan_equal": 2}
     with pytest.raises(ValueError, match=r"\[B, Hkv\]"):
         stop_agreement(cache.q, cache.k, cache.v, config.kernel_params(), lambda q, k, v: walks.flatten())
     rows = [dict(data="synthetic", batch=2, seqlen=1024, impl="art_dense", ms=1.0)]
     summary = summarise(rows, 4.2, agreement=[exact, report])
     assert (summary["stop_steps_equal"], summary["stop_steps_pairs"], summary["stop_steps_max_abs_diff"]) == (6, 8, 3)
+    assert (summary["plan_result_steps_equal"], summary["plan_stopped_pairs"], summary["simulator_stopped_pairs"]) == (
+        6, 8, 8)
     assert "stop_steps_equal" not in summarise(rows, 4.2)
+    monkeypatch.setattr(launcher, "_num_sms", lambda device: 132)
+    quick = ARTConfig(tau=2e-2, phi=1e-3, patience=2, min_steps=1)                  # walks of 5 / 5 / 8 / 4 blocks
+    replay = lambda q, k, v: replay_kernel_walks(q, k, v, quick)                   # noqa: E731
+    spread = stop_agreement(cache.q, cache.k, cache.v, quick.kernel_params(), replay)
+    assert replay(cache.q, cache.k, cache.v).tolist() == [[5, 5], [8, 4]]
+    assert {key: spread[key] for key in plan} == {"plan_num_splits": 4, "plan_follow_step": 0, "plan_equal": 4,
+                                                  "plan_stopped": 1, "stopped": 4}
+    quick_walks = replay(cache.q, cache.k, cache.v)
+    shifted = lambda q, k, v: quick_walks + torch.tensor([[1, 0], [0, -3]])        # noqa: E731
+    # (0, 0): 6 blocks, past the leader's range, so the whole walk as the kernel gives it; (1, 1): 1 block, not 4
+    assert stop_agreement(cache.q, cache.k, cache.v, quick.kernel_params(), shifted)["plan_equal"] == 3
 
 
 def test_capture_queries_reads_the_decode_steps_of_a_captured_layer():
