@@ -17,8 +17,9 @@ inputs:
 * ``art_on_demand``: on-demand followers at :func:`kernels.art_decode.on_demand_plan`'s plan for the length (no hint:
   each leader releases its followers once few walks of the launch are left).
 
-Each row keeps the step's split count, per-pair split threshold and loaded fraction; the summary per loop adds the
-steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
+Each row keeps the step's split count, per-pair split threshold, loaded fraction and the share of pairs whose
+output stopped before the walk's end (against the single walks': what the plan keeps of the rule's stops, which
+under on-demand followers depends on when the leaders release); the summary per loop adds the steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
 calibrated split count.  The loops (``LOOP_CASES``) are B = 32 at 8k and 32k, where the split plan takes several
 splits, and B = 128 at 32k, where it takes one and the walks expected to run long take per-pair splits
 (:mod:`kernels.pair_walks`).  Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by
@@ -40,8 +41,8 @@ import triton
 
 from .art_decode import ART_BLOCK_SIZE, art_decode, hint_plan, on_demand_plan
 from .art_params import ARTParams
-from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_split_plan, loaded_fraction, tiled_capture,
-                    time_interleaved)
+from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_split_plan, loaded_fraction, stopped_share,
+                    tiled_capture, time_interleaved)
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
 from .walk_hint import LongestWalkHint
@@ -54,11 +55,12 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 device: torch.device, rounds: int = ROUNDS) -> list[dict]:
     """One row per (decode step, implementation) of the captured layer at ``path`` tiled to ``seqlen`` tokens for
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
-    ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits) and ``loaded_fraction``
-    (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
+    ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits), ``loaded_fraction`` and
+    ``stopped_pairs`` next to ``single_stopped_pairs`` (:func:`kernels.bench.stopped_share` of the call's result
+    steps and of the single walks) (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
     their longest, ``longest_stop_steps``, and ``on_demand`` (whether the hint's plan took on-demand followers, then
-    with their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks`` and
-    ``loaded_fraction``."""
+    with their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks``,
+    ``loaded_fraction`` and the stopped shares."""
     hint = LongestWalkHint()
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     on_demand = on_demand_plan(blocks, device, art)
@@ -78,8 +80,8 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
             row = {"step": step, "impl": impl, **timings[impl]}
             if impl in plans:
                 plan = plans[impl]
-                _, steps = art_decode(q, k, v, art=art, return_stats=True, **plan,
-                                      walk_hint=hint if impl == "art_previous_step" else None)
+                _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True, **plan,
+                                             walk_hint=hint if impl == "art_previous_step" else None)
                 told = hinted if impl == "art_previous_step" else plan.get("pair_walks")
                 hint_on_demand = "release_walks" in plan
                 pair_plan = None if "pair_walks" not in plan else bench_pair_plan(q, k, art, plan["pair_walks"])
@@ -89,12 +91,16 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                            follow_step=(on_demand["follow_step"] if hint_on_demand
                                         else default_split_plan(q, k, art, longest)[1]),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
-                           loaded_fraction=loaded_fraction(steps, seqlen))
+                           loaded_fraction=loaded_fraction(steps, seqlen), stopped_pairs=stopped_share(taken, blocks),
+                           single_stopped_pairs=stopped_share(single[..., 0], blocks))
                 if hint_on_demand:
                     row.update(release_walks=plan["release_walks"])
             elif impl == "art_on_demand":
-                _, steps = art_decode(q, k, v, art=art, return_stats=True, **on_demand)
-                row.update(on_demand, loaded_fraction=loaded_fraction(steps, seqlen))
+                _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True,
+                                             **on_demand)
+                row.update(on_demand, loaded_fraction=loaded_fraction(steps, seqlen),
+                           stopped_pairs=stopped_share(taken, blocks),
+                           single_stopped_pairs=stopped_share(single[..., 0], blocks))
             rows.append(row)
     return rows
 
@@ -103,8 +109,10 @@ def loop_summary(rows: list[dict]) -> dict:
     """Per implementation, the sum of its steps' ``ms`` (``total_ms``), each ART total over ``art_dense``'s
     (``default_over_dense``, ``previous_step_over_dense``, ``calibrated_over_dense``, ``on_demand_over_dense``), the
     steps whose previous-step hint took the calibrated split count (``previous_step_same_splits`` of ``steps``), and
-    those whose hint took on-demand followers (``previous_step_on_demand``)."""
+    those whose hint took on-demand followers (``previous_step_on_demand``), and per ART implementation the mean
+    over the steps of the share of pairs whose output stopped (``stopped_pairs_mean``)."""
     totals = {impl: sum(r["ms"] for r in rows if r["impl"] == impl) for impl in IMPLS}
+    stopped = {impl: [r["stopped_pairs"] for r in rows if r["impl"] == impl and "stopped_pairs" in r] for impl in IMPLS}
     splits = {(r["step"], r["impl"]): r["num_splits"] for r in rows if "num_splits" in r}
     steps = sorted({r["step"] for r in rows})
     return {"total_ms": totals,
@@ -115,6 +123,7 @@ def loop_summary(rows: list[dict]) -> dict:
             "previous_step_same_splits": sum(splits[(s, "art_previous_step")] == splits[(s, "art_calibrated")]
                                              for s in steps),
             "previous_step_on_demand": sum(bool(r.get("on_demand")) for r in rows if r["impl"] == "art_previous_step"),
+            "stopped_pairs_mean": {impl: sum(shares) / len(shares) for impl, shares in stopped.items() if shares},
             "steps": len(steps)}
 
 

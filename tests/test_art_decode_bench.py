@@ -625,9 +625,12 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
         assert previous["on_demand"] == ("release_walks" in plan) and previous.get("release_walks") == plan.get(
             "release_walks")
         hinted_on_demand.append(previous["on_demand"])
-        _, previous_steps = bench.art_decode(q, k, v, art=art, return_stats=True, **plan)
+        _, previous_steps, taken = bench.art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True,
+                                                    **plan)
         assert previous["num_splits"] == previous_steps.shape[-1]
         assert previous["loaded_fraction"] == bench.loaded_fraction(previous_steps, 2048)
+        assert previous["stopped_pairs"] == float((taken < 32).double().mean())
+        assert previous["single_stopped_pairs"] == float((single[..., 0] < 32).double().mean()) > 0
         # on-demand followers at the length's plan (one multiprocessor here: 2 pairs released at 4 splits)
         plan = by_key[(step, "art_on_demand")]
         assert {key: plan[key] for key in ("num_splits", "follow_step", "release_walks")} == {
@@ -648,3 +651,6 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
         by_key[(s, "art_previous_step")]["num_splits"] == by_key[(s, "art_calibrated")]["num_splits"]
         for s in range(3)) and summary["steps"] == 3
     assert hinted_on_demand[2] and summary["previous_step_on_demand"] == sum(hinted_on_demand)
+    assert summary["stopped_pairs_mean"]["art_previous_step"] == pytest.approx(
+        sum(by_key[(s, "art_previous_step")]["stopped_pairs"] for s in range(3)) / 3)
+    assert set(summary["stopped_pairs_mean"]) == set(loop.IMPLS) - {"art_dense"}
