@@ -829,7 +829,7 @@ def art_decode_split_kernel(
     if SINGLE_SPLIT:
         _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh, GROUP)
         if RECORD_KEPT:
-            tl.store(kept_ptr + bh, 1)
+            tl.store(kept_ptr + bh.to(tl.int64), 1)
     elif PAIR_GATES:
         # a pair walked alone: its leader writes the output as one split does, and nobody arrives
         if gate == num_blocks:
@@ -837,7 +837,7 @@ def art_decode_split_kernel(
                 _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob,
                               stride_oh, GROUP)
                 if RECORD_KEPT:
-                    tl.store(kept_ptr + bh, 1)
+                    tl.store(kept_ptr + bh.to(tl.int64), 1)
         else:
             _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, kept_ptr, b,
                                 kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob,
@@ -887,5 +887,5 @@ def _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, 
                       num_kv_heads, num_splits, stride_ob, stride_oh,
                       GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK)
         if RECORD_KEPT:
-            tl.store(kept_ptr + bh, kept_splits)
+            tl.store(kept_ptr + bh.to(tl.int64), kept_splits)
         tl.store(arrivals_ptr + bh, 0)
