@@ -87,8 +87,8 @@ class KernelAttention:
                                         art=self.art, order=self.order, walk_hint=hint, return_stats=True,
                                         return_result_steps=self.needle is not None and self.art is not None)
         if self.needle is not None:   # every KV head serves as many query heads: the share over KV heads
-            share = self._needle_share(taken[0] if taken else None, lengths, key.shape)
-            self.needle_read.setdefault(layer, []).append(share)
+            needle_share = self._needle_share(taken[0] if taken else None, lengths, key.shape)
+            self.needle_read.setdefault(layer, []).append(needle_share)
         if self.art is None:      # the dense walk loads every cached token
             share = 1.0
         else:

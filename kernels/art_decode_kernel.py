@@ -827,17 +827,14 @@ def art_decode_split_kernel(
     out = tl.where(has_mass[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(has_mass, m * sm_scale + tl.log(l_safe), float("-inf"))
     if SINGLE_SPLIT:
-        _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh, GROUP)
-        if RECORD_KEPT:
-            tl.store(kept_ptr + bh.to(tl.int64), 1)
+        _store_output(out_ptr, lse_ptr, kept_ptr, out, lse, b, bh, heads, dims, row_valid, num_kv_heads, stride_ob,
+                      stride_oh, GROUP, RECORD_KEPT)
     elif PAIR_GATES:
         # a pair walked alone: its leader writes the output as one split does, and nobody arrives
         if gate == num_blocks:
             if split == 0:
-                _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob,
-                              stride_oh, GROUP)
-                if RECORD_KEPT:
-                    tl.store(kept_ptr + bh.to(tl.int64), 1)
+                _store_output(out_ptr, lse_ptr, kept_ptr, out, lse, b, bh, heads, dims, row_valid, num_kv_heads,
+                              stride_ob, stride_oh, GROUP, RECORD_KEPT)
         else:
             _arrive_and_combine(out, lse, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, arrivals_ptr, kept_ptr, b,
                                 kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob,
@@ -849,13 +846,15 @@ def art_decode_split_kernel(
 
 
 @triton.jit
-def _store_output(out_ptr, lse_ptr, out, lse, b, heads, dims, row_valid, num_kv_heads, stride_ob, stride_oh,
-                  GROUP: tl.constexpr):
+def _store_output(out_ptr, lse_ptr, kept_ptr, out, lse, b, bh, heads, dims, row_valid, num_kv_heads, stride_ob,
+                  stride_oh, GROUP: tl.constexpr, RECORD_KEPT: tl.constexpr):
     """A walk's own result into ``out [B, Hq, D]`` (input dtype) and ``lse [B, Hq]``: one split's, or a pair
-    walked alone."""
+    walked alone; with ``RECORD_KEPT``, its one split into ``kept [B * Hkv]``."""
     out_rows = b.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     tl.store(lse_ptr + b.to(tl.int64) * num_kv_heads * GROUP + heads, lse, mask=row_valid)
+    if RECORD_KEPT:
+        tl.store(kept_ptr + bh.to(tl.int64), 1)
 
 
 @triton.jit

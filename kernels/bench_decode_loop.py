@@ -19,7 +19,8 @@ inputs:
 
 Each row keeps the step's split count, per-pair split threshold, loaded fraction and the share of pairs whose
 output stopped before the walk's end (against the single walks': what the plan keeps of the rule's stops, which
-under on-demand followers depends on when the leaders release); the summary per loop adds the steps up (the layer's attention time over the loop) and counts the steps whose previous-step hint chose the
+under on-demand followers depends on when the leaders release); the summary per loop adds the steps up (the
+layer's attention time over the loop) and counts the steps whose previous-step hint chose the
 calibrated split count.  The loops (``LOOP_CASES``) are B = 32 at 8k and 32k, where the split plan takes several
 splits, and B = 128 at 32k, where it takes one and the walks expected to run long take per-pair splits
 (:mod:`kernels.pair_walks`).  Times are CUDA-graph medians in interleaved rounds, each call after an L2 emptied by
@@ -57,7 +58,8 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
     ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits), ``loaded_fraction`` and
     ``stopped_pairs`` next to ``single_stopped_pairs`` (:func:`kernels.bench.stopped_share` of the call's result
-    steps and of the single walks) (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
+    steps and of the single walks) (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its
+    hint held, as lists, or None) with
     their longest, ``longest_stop_steps``, and ``on_demand`` (whether the hint's plan took on-demand followers, then
     with their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks``,
     ``loaded_fraction`` and the stopped shares."""
@@ -68,6 +70,7 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
     for step in range(decode_query_shape(path)[2]):
         q, k, v = tiled_capture(path, batch, seqlen, device, step=step)
         _, single = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
+        single_stopped = stopped_share(single[..., 0], blocks)
         hinted = hint.pair_walks
         plans = {"art": {},
                  "art_previous_step": {} if hinted is None else hint_plan(hinted, blocks, k.shape[-1], device, art),
@@ -92,15 +95,14 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                                         else default_split_plan(q, k, art, longest)[1]),
                            pair_split_threshold=None if pair_plan is None else pair_plan[1],
                            loaded_fraction=loaded_fraction(steps, seqlen), stopped_pairs=stopped_share(taken, blocks),
-                           single_stopped_pairs=stopped_share(single[..., 0], blocks))
+                           single_stopped_pairs=single_stopped)
                 if hint_on_demand:
                     row.update(release_walks=plan["release_walks"])
             elif impl == "art_on_demand":
                 _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True,
                                              **on_demand)
                 row.update(on_demand, loaded_fraction=loaded_fraction(steps, seqlen),
-                           stopped_pairs=stopped_share(taken, blocks),
-                           single_stopped_pairs=stopped_share(single[..., 0], blocks))
+                           stopped_pairs=stopped_share(taken, blocks), single_stopped_pairs=single_stopped)
             rows.append(row)
     return rows
 
