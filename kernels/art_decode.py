@@ -969,6 +969,15 @@ def leader_range(blocks, num_splits: int, follow_step: int = 0):
     return gate + (blocks - gate) // num_splits
 
 
+def planned_result_steps(walks: torch.Tensor, blocks, num_splits: int, follow_step: int = 0) -> torch.Tensor:
+    """The result steps (``art_decode``'s ``return_result_steps``) of a plan of ``num_splits`` splits with followers
+    from ``follow_step`` (at once with 0, or deferred), for pairs whose single walks are ``walks [B, Hkv]`` (int,
+    in blocks; e.g. the simulator's ``stop_step + 1``) over walks of ``blocks`` (an int, or a ``[B, 1]`` int tensor
+    per sequence): the walk where it ends within the leader's range (:func:`leader_range`), else the whole walk.
+    Not the rule of per-pair splits or on-demand followers, whose leaders may walk past that range."""
+    return torch.where(walks <= leader_range(blocks, num_splits, follow_step), walks, blocks)
+
+
 def earliest_stop_steps(art: ARTParams) -> int:
     """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
     patience - 1`` at the earliest (the leader's first chunk ends there)."""

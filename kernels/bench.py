@@ -97,8 +97,8 @@ import triton.testing
 from tqdm.auto import tqdm
 
 from .art_decode import (ART_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
-                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_range,
-                         leader_splits)
+                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_splits,
+                         planned_result_steps)
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
@@ -247,7 +247,7 @@ def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTPa
     plan_splits, follow_step = default_split_plan(q, k, art, None)
     _, _, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True)
     walks = expected.long().cpu()
-    kept = torch.where(walks <= leader_range(blocks, plan_splits, follow_step), walks, blocks)
+    kept = planned_result_steps(walks, blocks, plan_splits, follow_step)
     return {"pairs": diff.numel(), "equal": int((diff == 0).sum()), "off_by_one": int((diff.abs() == 1).sum()),
             "max_abs_diff": int(diff.abs().max()),
             "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))},

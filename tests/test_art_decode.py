@@ -206,6 +206,26 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
     assert taken.dtype == torch.int32 and torch.equal(taken.long(), torch.where(leader_stopped, expected, 24))
     assert expected[2, 0] == 12 and steps[2, 0].tolist() == [12, 12] and taken[2, 0] == 12
+    assert torch.equal(taken.long(), art_decode_module.planned_result_steps(expected, 24, 2))
+
+
+@pytest.mark.parametrize("splits, follow_step", [(2, 0), (3, 4)])
+def test_planned_result_steps_are_the_result_steps_of_ragged_walks(splits, follow_step):
+    """``planned_result_steps`` told the simulator's walks and each sequence's blocks gives the kernel's result
+    steps under followers at once and deferred ones, where each sequence's leader holds a range of its own."""
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)
+    seqlens = torch.tensor([1536, 1000, 700, 64])                 # 24, 16, 11 and 1 blocks
+    config = ARTConfig(tau=3e-3, phi=3e-4, patience=2)
+    expected, _ = simulator_stop(q, k, v, seqlens, config, "sink_recency")    # walks [[8, 8], [11, 8], [3, 6], [1, 1]]
+    _, taken = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), num_splits=splits,
+                          follow_step=follow_step, return_result_steps=True)
+    blocks = torch.tensor([[24], [16], [11], [1]])
+    planned = art_decode_module.planned_result_steps(expected, blocks, splits, follow_step)
+    assert torch.equal(taken.long(), planned)
+    ranges = art_decode_module.leader_range(blocks, splits, follow_step)
+    assert ((expected <= ranges) & (expected < blocks)).any() and (expected > ranges).any(), \
+        "the case must cover leaders that stop in their range and walks that pass it"
+    assert torch.equal(planned, torch.where(expected > ranges, blocks, expected))
 
 
 @pytest.mark.parametrize("splits, config", [(1, ART_CONFIGS[0]), (1, ART_CONFIGS[1]), (1, ART_CONFIGS[4]),

@@ -13,7 +13,7 @@ from art_analysis.kernel_attention import (KERNEL_ATTENTION_TAG, KernelAttention
 from art_analysis.orders import walks_reading
 from art_analysis.termination import ARTConfig, FixedBudget, kernel_walk_steps, stop
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import art_decode, leader_range
+from kernels.art_decode import art_decode, planned_result_steps
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
 
@@ -138,7 +138,7 @@ def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prom
             trace = blockwise_attention(q, k, v, block_size=64, order="sink_recency", sm_scale=sm_scale)
             walks = kernel_walk_steps(stop(trace, RULE), k.shape[1])                           # [1, Hkv]
             blocks = trace.block_ids.shape[-1]
-            taken = torch.where(walks <= leader_range(blocks, splits, 0), walks, blocks)
+            taken = planned_result_steps(walks, blocks, splits)
             cut += int((taken != walks).any())
             expected.append(float(walks_reading(trace.block_ids, taken, needle, 64).double().mean()))
             return art_decode(q, k, v, sm_scale=sm_scale, num_splits=splits, follow_step=0, **kwargs)
