@@ -96,8 +96,8 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
-                         choose_pair_splits, choose_split_plan, dense_block_size, leader_can_stop, leader_splits,
+from .art_decode import (ART_BLOCK_SIZE, BLOCK_SIZES, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
+                         choose_pair_splits, choose_split_plan, leader_can_stop, leader_splits,
                          planned_result_steps)
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
@@ -287,6 +287,19 @@ def loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None
     return float(steps[..., splits].sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / ART_BLOCK_SIZE))
 
 
+def dense_walk_plan(steps: torch.Tensor, seqlen: int) -> dict:
+    """The plan a dense ``art_decode`` call took over full-length sequences of ``seqlen`` tokens, read back from its
+    ``steps [B, Hkv, splits]`` (each program's range, in blocks, which together cover the walk):
+    ``{"num_splits", "block_size"}``, the block size being the one of ``BLOCK_SIZES`` whose walk has that many
+    blocks."""
+    walk = int(steps[0, 0].sum())
+    sizes = [size for size in BLOCK_SIZES if math.ceil(seqlen / size) == walk]
+    if len(sizes) != 1:
+        raise ValueError(f"a dense walk of {walk} blocks over {seqlen} tokens fits {len(sizes)} of the block sizes "
+                         f"{BLOCK_SIZES}, not one")
+    return {"num_splits": steps.shape[-1], "block_size": sizes[0]}
+
+
 def lone_walk_latency(make_qkv: Callable[[int], tuple], rep_ms: int, rounds: int = ROUNDS) -> dict:
     """The time per block of a monitored walk alone on its multiprocessor: ART with never-terminating
     thresholds and one split on ``make_qkv(seqlen)`` (``(q, k, v)`` with ``B = 1``: a few programs on an
@@ -333,9 +346,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    dense_block = dense_block_size(None, head_dim, batch * kv_heads, q.device)
-    dense_splits = choose_split_plan(batch, kv_heads, math.ceil(seqlen / dense_block), q.device, None, dense_block,
-                                     head_dim)[0]
+    _, dense_steps = art_decode(q, k, v, return_stats=True)
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     splits = choose_num_splits(batch, kv_heads, blocks, q.device, block_size=ART_BLOCK_SIZE)
     _, single_steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
@@ -351,7 +362,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
     calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
                                                   block_size=ART_BLOCK_SIZE, num_splits=1)
-    extras = {"art_dense": dict(num_splits=dense_splits, block_size=dense_block),
+    extras = {"art_dense": dense_walk_plan(dense_steps, seqlen),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
                                 monitor_runs=leader_can_stop(blocks, splits, NEVER)),

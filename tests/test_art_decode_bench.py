@@ -221,6 +221,18 @@ def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
         bench.lone_walk_latency(lambda seqlen: (torch.empty(2, 4, 64),) * 3, rep_ms=1)
 
 
+@pytest.mark.parametrize("seqlen, splits, block_size", [(256, 3, 32), (1000, 2, 128), (1000, 5, 16)])
+def test_the_dense_plan_is_read_back_from_the_calls_steps(seqlen, splits, block_size):
+    from art_analysis.synthetic import synthetic_cache
+    from kernels.bench import art_decode, dense_walk_plan
+
+    cache = synthetic_cache(batch=1, num_q_heads=4, num_kv_heads=2, seqlen=seqlen, head_dim=64, dtype=torch.float16)
+    _, steps = art_decode(cache.q, cache.k, cache.v, num_splits=splits, block_size=block_size, return_stats=True)
+    assert dense_walk_plan(steps, seqlen) == {"num_splits": splits, "block_size": block_size}
+    with pytest.raises(ValueError, match="fits 0 of the block sizes"):
+        dense_walk_plan(steps, seqlen + 4096)
+
+
 def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     import itertools
 
@@ -265,6 +277,9 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
         first += 2 if memset else 1
     assert order == 3 * ["read", "read", "memset", "read", "read", "read", "read", "memset", "read", "memset", "read"]
     assert by_impl["art_dense"]["ms"] == 13.0 and by_impl["art_dense"]["ms_memset_flush"] == 14.0
+    # the dense row states the plan its call took: one split of 64-token blocks (D = 64, 4 pairs on the CPU's one
+    # multiprocessor)
+    assert (by_impl["art_dense"]["num_splits"], by_impl["art_dense"]["block_size"]) == (1, 64)
     assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 13.0 + 0.010
     assert by_impl["art"]["meets_time_bound"] == (by_impl["art"]["ms"] <= by_impl["art"]["time_bound_ms"])
     # under the memset, the bound is the memset's dense time's, and the ART time the memset's too
