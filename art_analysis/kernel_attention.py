@@ -3,7 +3,7 @@
 :func:`kernel_attention` routes every decode call (query length 1) of every layer through ``art_decode`` with the
 given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hint.LongestWalkHint` per layer
 carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
-on-demand followers where they are lopsided, :func:`kernels.art_decode.hint_plan`).  Prefill calls run the model's
+on-demand followers where they are lopsided, :func:`kernels.split_plan.hint_plan`).  Prefill calls run the model's
 own attention.  The hook records the share of the cached tokens each layer's calls loaded (:func:`loaded_tokens` of
 the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens) and, told a retrieval prompt's
 ``needle``, the share of query heads whose output took in a block holding a needle token (the kernel's

@@ -9,7 +9,8 @@ reference: the simulator ``art_analysis.blockwise`` in ``mode="kernel"`` evaluat
 ``art_analysis.termination.stop`` with ``group="all"``) and the walk ends once every query
 head of the group is done: the walk runs in chunks that end at the earliest step at which the
 group can be done (``kernels.art_decode_kernel``), so no block past the stop step is loaded or
-computed.  ``art=None`` compiles the monitor out (the dense baseline).
+computed.  ``art=None`` compiles the monitor out (the dense baseline).  The launcher's default plans (block
+sizes, split counts, follow steps, per-pair splits, on-demand followers) are ``kernels.split_plan``'s.
 
 **Split scheme (leader + converged flag).**  A sequence's walk of ``N`` steps is cut into
 ``num_splits`` contiguous ranges of the *traversal order*, one program each, combined by a
@@ -63,18 +64,18 @@ synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % 
 
 A lone walk is latency-bound (1.20 us per block at D = 128, 0.94 at D = 64; V26), so a monitored walk that
 must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
-after its earliest possible step (:func:`earliest_stop_steps`, 17 steps for ``ARTConfig()``;
+after its earliest possible step (:func:`kernels.split_plan.earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean walks of 33-41 blocks on the synthetic caches and 73-89 on the SmolLM2 layer).  A call cannot end before its
 longest walk, and only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the longest
 walk of the layer's previous call, which ``walk_hint`` carries), else it is taken as ``ART_STOP_MARGIN`` (2)
 earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at 8k-128k) but
 not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-128k).  Hence the default
-(:func:`choose_split_plan`): the dense split count, and
+(:func:`kernels.split_plan.choose_split_plan`): the dense split count, and
 
-* when the split-K dense walk would end before the longest walk (:func:`dense_walk_ends_first`), the leader scheme
-  over it with the followers starting at once: about the dense time plus the monitor, and few or no blocks saved,
-  since the leader's range is too short to stop in, or the dense walk itself where the leader's range cannot reach
-  the earliest stop (below);
+* when the split-K dense walk would end before the longest walk (:func:`kernels.split_plan.dense_walk_ends_first`), the
+  leader scheme over it with the followers starting at once: about the dense time plus the monitor, and few or no blocks
+  saved, since the leader's range is too short to stop in, or the dense walk itself where the leader's range cannot
+  reach the earliest stop (below);
 * else **deferred followers** (below) from the longest walk expected: a walk that stops by then is the single walk
   (its followers load nothing), and one that runs longer is finished by all the pair's programs, so a wrong guess
   costs the dense walk's time plus the guess instead of the whole walk at the lone pace.  Not told the walk, the
@@ -83,10 +84,10 @@ not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-1
   blocks, took 69 us deferred to 34 blocks against 55 us for the dense walk; its followers now start at once).
 
 ``num_splits=1`` forces the single walk.  When even the leader's range is shorter than the earliest stop
-(:func:`leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop and the call
-runs a dense walk without the monitor: given its split count, the dense walk of that count, with the same result bit
-for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms, against 0.073 with one split at 32k; SmolLM2
-B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022), else the dense plan's (below, V61).
+(:func:`kernels.split_plan.leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop
+and the call runs a dense walk without the monitor: given its split count, the dense walk of that count, with the same
+result bit for bit (V15: B = 1, 8k and 32k, 0.023 / 0.053 -> 0.021 / 0.050 ms, against 0.073 with one split at 32k;
+SmolLM2 B = 1, 8k and 32k, 0.016 / 0.024 -> 0.014 / 0.022), else the dense plan's (below, V61).
 
 **Deferred followers** (``follow_step``; ``benchmarks/NOTES-art-decode.md``, V41).  The followers wait (they poll
 the arrival counter, at most ``GATE_POLLS_PER_STEP`` times per follow step, after which they walk anyway, so no
@@ -97,11 +98,12 @@ it publishes that chunk's end, the next step it can stop at, and its followers p
 synthetic 32/8, B = 8 x 32k 0.085 -> 0.070 ms, B = 8 x 128k 0.083 -> 0.066, against polls after 4 steps and then
 every 16; outputs the same bit for bit).  The
 ranges cut the walk past the follow step, and the leader's also holds the steps before it
-(:func:`leader_range`), so that a walk that does not stop ends in every program at once.  The grid is then
-``(B * Hkv, splits)``, so that every leader is dispatched before any follower, one per multiprocessor first, and at
-``D = 128`` it is capped at ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor (:func:`deferred_splits`), since
-the waiting followers hold their shared memory.  H200, ``ARTConfig()``, against the rule it replaced (one split where
-the dense walk would end after 34 blocks; ms, ``-deferred-followers-ab.json``):
+(:func:`kernels.split_plan.leader_range`), so that a walk that does not stop ends in every program at once.  The grid is
+then ``(B * Hkv, splits)``, so that every leader is dispatched before any follower, one per multiprocessor first, and at
+``D = 128`` it is capped at ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor
+(:func:`kernels.split_plan.deferred_splits`), since the waiting followers hold their shared memory.  H200,
+``ARTConfig()``, against the rule it replaced (one split where the dense walk would end after 34 blocks; ms,
+``-deferred-followers-ab.json``):
 
 =========================================  ============  ==================  ==========
 case                                       one split     deferred followers  dense
@@ -128,12 +130,12 @@ have ended.  A real layer's walks are lopsided (SmolLM2 layer 15 tiled to B = 12
 of the layer's previous call), the launcher gives the pairs expected to walk more than a threshold every split at
 once, the leader scheme above for those pairs alone, and keeps the others single: the kernel reads each pair's walk,
 and a pair below the threshold has the whole walk in its leader's range and empty ranges in its followers, which
-arrive at once.  :func:`choose_pair_plan` takes the threshold that minimises the longest walk or split range plus the
-blocks loaded over the dense pace; the split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks, and at ``D = 64``
-such a call runs 4 K/V stages, 4 programs per multiprocessor instead of 6 (V46: SmolLM2, B = 128 x 32k, 0.173 ms
-with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119 with 8 splits, at 128k 0.272 ->
-0.251 with 128).  A pair's result is that of the plan it takes: the single walk's, or that of the leader scheme over
-its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so
+arrive at once.  :func:`kernels.split_plan.choose_pair_plan` takes the threshold that minimises the longest walk or
+split range plus the blocks loaded over the dense pace; the split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks,
+and at ``D = 64`` such a call runs 4 K/V stages, 4 programs per multiprocessor instead of 6 (V46: SmolLM2, B = 128 x
+32k, 0.173 ms with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119 with 8 splits, at 128k
+0.272 -> 0.251 with 128).  A pair's result is that of the plan it takes: the single walk's, or that of the leader scheme
+over its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so
 that every leader is dispatched before the followers, most of which walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
 layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
 **0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
@@ -143,15 +145,15 @@ walks instead (:class:`kernels.walk_hint.LongestWalkHint` carries them), the pla
 move between pairs from step to step: 8 steps at B = 128 x 32k totalled 0.37x the dense loop, against 0.40x
 without a hint and 0.23x told each step's own walks.
 
-**The hint's plan** (:func:`hint_plan`; ``benchmarks/NOTES-art-decode.md``, V58).  So a call given a ``walk_hint``
-does not take per-pair splits from the previous call's walks: where :func:`pair_plan` would split the pairs that
-walked long, and the dense walk would not end before that plan, it takes on-demand followers (below) at
-:func:`on_demand_plan`'s plan, which find the long walks of this call as they run.  Per-pair splits from the
-previous step split the pairs that walked long then, which may be short now, and leave a pair whose walk has grown
-to walk alone (the SmolLM2 layer at B = 128 x 32k, previous step's walks: one step took 0.516 ms, the default
-0.472); and since a split pair's leader cannot stop past its range, the hint counts its walk as all its blocks, so
-a pair once split stays split (loaded fraction 0.18 -> 0.29 over 8 steps).  An on-demand call records each pair's
-blocks (:func:`kernels.walk_hint.pair_walk_lengths`): a released pair reads as long, so the layer keeps its plan
+**The hint's plan** (:func:`kernels.split_plan.hint_plan`; ``benchmarks/NOTES-art-decode.md``, V58).  So a call given a
+``walk_hint`` does not take per-pair splits from the previous call's walks: where :func:`kernels.split_plan.pair_plan`
+would split the pairs that walked long, and the dense walk would not end before that plan, it takes on-demand followers
+(below) at :func:`kernels.split_plan.on_demand_plan`'s plan, which find the long walks of this call as they run.
+Per-pair splits from the previous step split the pairs that walked long then, which may be short now, and leave a pair
+whose walk has grown to walk alone (the SmolLM2 layer at B = 128 x 32k, previous step's walks: one step took 0.516 ms,
+the default 0.472); and since a split pair's leader cannot stop past its range, the hint counts its walk as all its
+blocks, so a pair once split stays split (loaded fraction 0.18 -> 0.29 over 8 steps).  An on-demand call records each
+pair's blocks (:func:`kernels.walk_hint.pair_walk_lengths`): a released pair reads as long, so the layer keeps its plan
 while its walks stay lopsided.  On the synthetic caches, whose walks end about together, and on the SmolLM2 layer
 at B = 32 x 8k, where the dense walk ends first, nothing changes.  A call's result under on-demand followers
 depends on timing (below).  H200, the layer's 8 decode steps, CUDA-graph medians of 3 interleaved rounds, the loop
@@ -167,24 +169,24 @@ whose pairs fill the GPU takes one split and lasts as long as its longest walk. 
 it reads the launch's count of pairs done walking alone (the count is read as the chunk starts, one element per
 thread, and reduced over all of them, so that every warp decides alike); once at most ``R`` leaders still walk
 alone, it releases its followers: it writes the release step, sets ``RELEASED``, and its range ends a share past
-that step (:func:`leader_range` of the rest, as for deferred followers released there).  The followers wait from
-the start, polling the pair's word and sleeping ``ON_DEMAND_POLL_NS`` between polls, read the release step and walk
-their ranges, polling a step past each end of their leader's chunks, which it publishes in the release and after
-each chunk as a deferred leader does (V57: the SmolLM2 layer at B = 32 x 128k 0.233 -> 0.221 ms against polls after
-4 steps and then every 16; on the synthetic caches, B = 32 x 8k 0.155 -> 0.141 with the 128-dim step's MMAs no
-longer serialised in the same change); a pair whose leader stops first, or walks to its end, is the single walk
-bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing), and a released pair whose leader
-runs past its share gets the whole attention.  Which pairs are released depends on when the other leaders finish,
+that step (:func:`kernels.split_plan.leader_range` of the rest, as for deferred followers released there).  The
+followers wait from the start, polling the pair's word and sleeping ``ON_DEMAND_POLL_NS`` between polls, read the
+release step and walk their ranges, polling a step past each end of their leader's chunks, which it publishes in the
+release and after each chunk as a deferred leader does (V57: the SmolLM2 layer at B = 32 x 128k 0.233 -> 0.221 ms
+against polls after 4 steps and then every 16; on the synthetic caches, B = 32 x 8k 0.155 -> 0.141 with the 128-dim
+step's MMAs no longer serialised in the same change); a pair whose leader stops first, or walks to its end, is the
+single walk bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing), and a released pair whose
+leader runs past its share gets the whole attention.  Which pairs are released depends on when the other leaders finish,
 so a pair's result, its single walk or the whole attention, may differ from one call to the next (V57).  The grid
 is ``(B * Hkv, splits)``, every leader dispatched before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
 released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
 walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few
 walks stop for the count to fall to ``R``, every leader would walk alone to its end (2.5x the dense time at B = 32);
 with ``release_step`` each leader still walking alone releases at its first chunk end at or past that step, whatever
-the count (V51; :func:`on_demand_plan` takes one).  The stage count of an on-demand grid is set by its leaders alone
-(:func:`_launch_config`): the followers, dispatched after every leader, only wait, and counted with them a grid of
-64 x 128 blocks went to 2 stages (V52: synthetic 32/8, B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154 ms; the
-rows whose leaders alone exceed 3 per multiprocessor unchanged).  Opt-in: it gains on lopsided
+the count (V51; :func:`kernels.split_plan.on_demand_plan` takes one).  The stage count of an on-demand grid is set by
+its leaders alone (:func:`_launch_config`): the followers, dispatched after every leader, only wait, and counted with
+them a grid of 64 x 128 blocks went to 2 stages (V52: synthetic 32/8, B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154
+ms; the rows whose leaders alone exceed 3 per multiprocessor unchanged).  Opt-in: it gains on lopsided
 walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
 of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each call's loaded fraction):
 
@@ -199,11 +201,11 @@ SmolLM2 layer, B = 128     default         on demand (splits, R)       never sto
 Told each walk instead, the per-pair splits take 0.120 / 0.157 / 0.251 ms.  The never-stopping overhead is not
 the polls (1 us sleeps or none: the same within 0.5 %).  On the synthetic caches at ``D = 128`` (B = 32 to 128 x 8k,
 128 x 32k) every setting was 5-60 % slower than the default, whose single walks end about together (B = 32 x 8k:
-0.171 ms at 2 splits against 0.108), so the default plan does not take it.  :func:`on_demand_plan` gives the
-keywords of a plan for a walk's length (V48: a split per 32 blocks, at most 8 released programs per multiprocessor;
-over the SmolLM2 layer's 8 decode steps at B = 128, on-demand followers took 0.68x / 0.28x of the dense loop at
-8k / 32k with 8 / 264 and 16 / 66 splits / R, against 0.76x / 0.40x by default and 0.91x / 0.37x told the previous
-step's walks).
+0.171 ms at 2 splits against 0.108), so the default plan does not take it.  :func:`kernels.split_plan.on_demand_plan`
+gives the keywords of a plan for a walk's length (V48: a split per 32 blocks, at most 8 released programs per
+multiprocessor; over the SmolLM2 layer's 8 decode steps at B = 128, on-demand followers took 0.68x / 0.28x of the dense
+loop at 8k / 32k with 8 / 264 and 16 / 66 splits / R, against 0.76x / 0.40x by default and 0.91x / 0.37x told the
+previous step's walks).
 
 **Launch order** (``benchmarks/NOTES-art-decode.md``, V45).  A call told each walk (``pair_walks``, or a
 ``walk_hint`` that carries them) dispatches its programs by expected walk, longest first
@@ -211,9 +213,9 @@ step's walks).
 more than one wave, a long walk no longer starts late and ends last, and the short walks fill the multiprocessors
 that the long ones free.  In one wave the order only mixes long and short walks on each multiprocessor.  Single
 walks of 64 x 128 blocks past a wave at 3 stages also keep 3 stages (3 programs per multiprocessor, not 2 stages
-and 4) where :func:`longest_first_three_stages` finds that fewer slots pay: walks of spread lengths.  H200,
-``ARTConfig()``, CUDA-graph medians of 5 interleaved rounds, told each walk (``-longest-first-stages-ab.json``; ms,
-the launcher's choice in bold):
+and 4) where :func:`kernels.split_plan.longest_first_three_stages` finds that fewer slots pay: walks of spread lengths.
+H200, ``ARTConfig()``, CUDA-graph medians of 5 interleaved rounds, told each walk (``-longest-first-stages-ab.json``;
+ms, the launcher's choice in bold):
 
 ============================  ==========  ==========================  ==========================  ===========
 synthetic 32/8, one split     pair order  longest first, 2 stages     longest first, 3 stages     time bound
@@ -262,7 +264,7 @@ into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors
 11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
 (96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128) at ``D = 128``,
 measured best or tied at every point of the benchmark's split sweep (on the paged layout, unless a page
-holds such blocks whole, 64: :func:`dense_block_size`).  Blocks of at most
+holds such blocks whole, 64: :func:`kernels.split_plan.dense_block_size`).  Blocks of at most
 ``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (4)
 programs per multiprocessor instead, rounded up only where the multiprocessors themselves would
 idle: co-resident programs hide each other's step latency, the monitor's above all (never-stopping
@@ -294,13 +296,13 @@ At ``D = 64`` it walks 64-token blocks on the paged layout too, also on pages th
 shape B = 1 x 128k 40.3 -> 34.4, 8 x 32k 71.9 -> 53.5, 8 x 128k 252.8 -> 188.4, 32 x 32k 208.0 -> 188.7, 128 x 8k
 194.0 -> 186.8; pages of 256 alike; 32 / 8 heads at 64 dims 8-22 % faster except B = 32 x 8k, +1.6 %).
 Where the plan's one split of 64-token blocks would leave more than 1.5 and at most 2 pairs per multiprocessor
-(:func:`two_pairs_per_sm`; 199-264 pairs on the H200's 132), a 64-dim dense call walks one split of 128-token
-blocks at 4 warps instead, if the layout holds them whole: two programs of 2 warps kept too few loads in flight (V65,
-``-pair-band64.json``, 32k, us, 64-token -> 128-token walk (cuDNN): 32 / 8 heads at 208 pairs 428.8 -> 389.6 (385.2),
-240 pairs 462.3 -> 443.4 (440.3); 9 / 3 heads at 216 pairs 434.7 -> 403.0 (400.7), 252 pairs 477.6 -> 464.5 (459.6);
-at 176-180 and 272-368 pairs the 128-token walk was 2-8 % slower).
-An ART call of the launcher's plan whose leader cannot stop (:func:`leader_can_stop`) runs the dense plan's walk
-of 64-token blocks, at ``D = 64`` outside that band the default dense call bit for bit (the SmolLM2 shape at
+(:func:`kernels.split_plan.two_pairs_per_sm`; 199-264 pairs on the H200's 132), a 64-dim dense call walks one split of
+128-token blocks at 4 warps instead, if the layout holds them whole: two programs of 2 warps kept too few loads in
+flight (V65, ``-pair-band64.json``, 32k, us, 64-token -> 128-token walk (cuDNN): 32 / 8 heads at 208 pairs 428.8 ->
+389.6 (385.2), 240 pairs 462.3 -> 443.4 (440.3); 9 / 3 heads at 216 pairs 434.7 -> 403.0 (400.7), 252 pairs 477.6 ->
+464.5 (459.6); at 176-180 and 272-368 pairs the 128-token walk was 2-8 % slower).
+An ART call of the launcher's plan whose leader cannot stop (:func:`kernels.split_plan.leader_can_stop`) runs the dense
+plan's walk of 64-token blocks, at ``D = 64`` outside that band the default dense call bit for bit (the SmolLM2 shape at
 B = 1 x 32k 18.6 -> 17.4 us, at B = 2 x 32k 24.6 -> 22.1; synthetic 32 / 8 at B = 1 x 32k 41.2 -> 40.4); a call
 given ``num_splits`` or ``block_size`` runs the dense walk of the configuration it chose, which keeps
 ``tau = phi = 0`` bit-identical to the dense call of that configuration.
@@ -343,14 +345,14 @@ page-table load ahead of its K/V tiles, which at the contiguous layout's stage c
 single-buffered; the paged launches take ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them
 at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
-B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with :func:`dense_block_size`'s
-default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms with pages of 64, and 0.087 with
-the page descriptors (contiguous 0.058); every output, lse and step count bit-identical.  Zeroing V only in
-the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone monitored step on pages of 64
-/ 256 tokens 2.00 / 1.83 -> 1.68 / 1.63 us (contiguous 1.20), ART at 8 x 32k on pages of 64 0.088 -> 0.077 ms
-(contiguous 0.059), bit-identical.  One tile per page (V30, ``-subpages-ab.json``): the lone monitored step on
-pages of 16 / 32 tokens 2.61 / 2.62 -> 2.25 / 1.76 us, ART at 8 x 32k 0.118 -> 0.101 / 0.082 ms and at 128 x 8k
-0.489 / 0.485 -> 0.416 / 0.399 ms (pages of 64: 0.398), dense B = 32 x 32k 4.40 / 4.44 -> 4.45 / 4.52 TB/s.
+B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with
+:func:`kernels.split_plan.dense_block_size`'s default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms
+with pages of 64, and 0.087 with the page descriptors (contiguous 0.058); every output, lse and step count
+bit-identical.  Zeroing V only in the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone
+monitored step on pages of 64 / 256 tokens 2.00 / 1.83 -> 1.68 / 1.63 us (contiguous 1.20), ART at 8 x 32k on pages of
+64 0.088 -> 0.077 ms (contiguous 0.059), bit-identical.  One tile per page (V30, ``-subpages-ab.json``): the lone
+monitored step on pages of 16 / 32 tokens 2.61 / 2.62 -> 2.25 / 1.76 us, ART at 8 x 32k 0.118 -> 0.101 / 0.082 ms and at
+128 x 8k 0.489 / 0.485 -> 0.416 / 0.399 ms (pages of 64: 0.398), dense B = 32 x 32k 4.40 / 4.44 -> 4.45 / 4.52 TB/s.
 The block that holds the last token run apart from the loops (V32, ``-paged-tail-apart-ab.json``): a select
 inside a loop, even one that the other steps branch around, took every step's V tile from shared memory to
 registers and back; the lone monitored step on pages of 64 / 16 tokens 1.70 / 2.26 -> 1.48 / 1.94 us, the lone
@@ -390,7 +392,6 @@ the split count that the capture's capacity would otherwise pick.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -402,51 +403,25 @@ from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
-from .walk_model import shared_bandwidth_steps
+from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
+                         dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
+                         on_demand_plan)
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64, 128)
 ART_BLOCK_SIZE = 64
-DENSE_BLOCK_SIZE = 128
-PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
-SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
-SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
 MAX_GROUP = 128
 MMA_ROWS = 16                    # the fewest rows of the kernel's dot tile (query heads padded up to it)
-TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
-SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
-DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)
-TMA_MAX_BLOCK = 64
 MIN_SUBPAGE = 16                 # the fewest tokens of a page read as its own tile (the smallest dot operand)
 LEADER_TMA_MIN_STEPS = 32
-RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
-RESIDENT_AT_TWO_STAGES = 4       # ... and with 2
-# told each walk, 3 stages past a wave of them only where the walk model, longest first, gains this much (V45)
-LONGEST_FIRST_THREE_STAGES_GAIN = 0.97
 PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
 PAIR_SPLIT_STAGES = 4            # 64-dim per-pair splits: 4 programs per multiprocessor instead of 6 (V46)
-MIN_STEPS_PER_SPLIT = 4
-MAX_SPLITS = 128
-WAVE_FILL = 0.75
 ART_CHUNK = 16
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
-ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
-GUESS_REGRET_RATIO = 2     # ... and the followers deferred to it only where the dense walk takes this many times longer
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
 ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between polls of its leader's word
-ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
-ON_DEMAND_SPLITS = (4, 32)        # ... within these bounds
-ON_DEMAND_RELEASED_PER_SM = 8     # ... and at most this many released programs per multiprocessor
-ON_DEMAND_RELEASE_FOLLOW_STEPS = 4   # ... every leader releases at this many follow steps, whatever the count, ...
-ON_DEMAND_RELEASE_WALK_SHARE = 10    # ... and no earlier than this share (1 / 10) of the walk
-# blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
-# multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
-DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
-PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
-PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
-PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
@@ -474,41 +449,42 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         order: ``"sequential"`` or ``"sink_recency"`` block traversal.
         block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
-            (:func:`dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where one split of
-            64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on pages
-            that do not hold 128-token blocks whole).
-        num_splits: programs per ``(b, kv_head)``; default :func:`choose_split_plan`, or with ``release_walks``
-            :func:`on_demand_plan`'s.
+            (:func:`kernels.split_plan.dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where
+            one split of 64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on
+            pages that do not hold 128-token blocks whole).
+        num_splits: programs per ``(b, kv_head)``; default :func:`kernels.split_plan.choose_split_plan`, or with
+            ``release_walks`` :func:`kernels.split_plan.on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
             e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
             ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
             the stats without a sync), or the simulator's stop steps on a captured layer (+ 1); default
             ``walk_hint``'s, else ``ART_STOP_MARGIN`` times the earliest stop.  Sets the default follow step
-            (:func:`choose_follow_step`).  Unused when ``follow_step`` is given or ``art`` is ``None``.
+            (:func:`kernels.split_plan.choose_follow_step`).  Unused when ``follow_step`` is given or ``art`` is
+        ``None``.
         follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
             wait until the leader has walked that many blocks without stopping (*deferred followers*, module
             docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
-            release them.  Default: :func:`choose_split_plan`'s (with ``release_walks``, :func:`on_demand_plan`'s)
-            when ``num_splits`` is not given, else 0.
+            release them.  Default: :func:`kernels.split_plan.choose_split_plan`'s (with ``release_walks``,
+            :func:`kernels.split_plan.on_demand_plan`'s) when ``num_splits`` is not given, else 0.
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
             default ``longest_stop_steps``, and where the shapes agree (and neither ``num_splits``, ``follow_step``,
             ``longest_stop_steps`` nor ``release_walks`` is given) its latest walk of each pair plans the call
-            (:func:`hint_plan`): on-demand followers where those walks are lopsided, else the default
+            (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the default
             ``pair_walks``; this call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
         pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
             pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
-            one split, the pairs expected to walk long take every split of :func:`choose_pair_plan` (module
-            docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
+            one split, the pairs expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan`
+            (module docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
         release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
             each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
             its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
             whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
-            count, follow step and release step of :func:`on_demand_plan`, which also suggests this count.  Not with
-            ``pair_walks``.
+            count, follow step and release step of :func:`kernels.split_plan.on_demand_plan`, which also suggests this
+            count.  Not with ``pair_walks``.
         release_step: with ``release_walks``, the leader's step from which it releases its followers whatever the
             count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
-            which too few walks stop does not walk alone to the end.  Default: :func:`on_demand_plan`'s when
-            ``num_splits`` is not given, else never.
+            which too few walks stop does not walk alone to the end.  Default:
+            :func:`kernels.split_plan.on_demand_plan`'s when ``num_splits`` is not given, else never.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -701,301 +677,6 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     return results[0] if len(results) == 1 else results
 
 
-def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
-                     device: torch.device | None = None) -> int:
-    """The dense walk's default block size (tokens) for ``pairs`` ``(b, kv_head)`` pairs on ``device`` (both or
-    neither given): ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64`` on either layout, except ``DENSE_BLOCK_SIZE`` where
-    128-token blocks fit the layout and one split of 64-token blocks would leave at most
-    ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` programs per multiprocessor (:func:`two_pairs_per_sm`); at ``D = 128``
-    on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks whole ``DENSE_BLOCK_SIZE``,
-    else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table entry and reads consecutive
-    rows; across pages its rows are gathered per token, which 64-token blocks bear best (H200, B = 32 / 128 x 32k,
-    the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against 4.03 / 3.98 at block 128;
-    pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block 128;
-    ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
-    ``D = 128``'s, and the walk of 64-token blocks at several programs per multiprocessor was the fastest at every
-    shape measured: contiguous (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us) and on pages of 128 tokens
-    (V63: B = 8 x 32k 71.9 -> 53.5 us, 32 x 8k 59.8 -> 53.5, 128 x 8k 194.0 -> 186.8), except where about two
-    pairs share a multiprocessor: two programs of 2 warps keep too few loads in flight, and one 128-token walk of
-    4 warps per pair was 3-9 % faster (V65: 32 / 8 heads, 208 pairs x 32k, 428.8 -> 389.6 us, cuDNN 385.2)."""
-    if (pairs is None) != (device is None):
-        raise ValueError(f"dense_block_size needs pairs and device together (or neither), got pairs={pairs!r}, "
-                         f"device={device!r}")
-    whole_wide_blocks = page_size is None or page_size % DENSE_BLOCK_SIZE == 0
-    if head_dim == 64:
-        if whole_wide_blocks and pairs is not None and two_pairs_per_sm(pairs, device):
-            return DENSE_BLOCK_SIZE
-        return SMALL_HEAD_DENSE_BLOCK_SIZE
-    if whole_wide_blocks:
-        return DENSE_BLOCK_SIZE
-    return PAGED_DENSE_BLOCK_SIZE
-
-
-def two_pairs_per_sm(pairs: int, device: torch.device) -> bool:
-    """Whether one split of the 64-dim dense plan's 64-token blocks spreads ``pairs`` pairs over the multiprocessors
-    at more than ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] / 2`` (the plan's split count is then 1:
-    :func:`choose_num_splits`) and at most ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` per multiprocessor."""
-    sms = _num_sms(device)
-    return DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] * sms < 2 * pairs <= 2 * SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM * sms
-
-
-def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,
-                      block_size: int = DENSE_BLOCK_SIZE, head_dim: int | None = None) -> int:
-    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks, dense or ART (module docstring):
-    one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (for blocks of at most ``TMA_MAX_BLOCK``
-    tokens ``SMALL_BLOCK_PROGRAMS_PER_SM``, or walked without the monitor, ``head_dim`` given,
-    ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]``), rounded down unless that leaves more than a quarter of the
-    multiprocessors idle; at least ``MIN_STEPS_PER_SPLIT`` blocks per split.  An ART call's followers wait for
-    the follow step (:func:`choose_follow_step`) before they walk."""
-    programs = batch * kv_heads
-    sms = _num_sms(device)
-    if block_size > TMA_MAX_BLOCK:
-        per_sm = TARGET_PROGRAMS_PER_SM
-    else:
-        per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if head_dim is None else DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]
-    wanted = per_sm * sms // programs
-    if wanted * programs < WAVE_FILL * sms:
-        wanted += 1
-    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-
-
-def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
-                      block_size: int, head_dim: int, longest_stop_steps: int | None = None) -> tuple[int, int]:
-    """``(num_splits, follow_step)`` of a call at the default split count: :func:`choose_num_splits`, and with ``art``
-    the follow step of :func:`choose_follow_step`; a call with deferred followers keeps every program resident
-    (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
-    num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size,
-                                   head_dim=head_dim if art is None else None)
-    follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
-                                                          head_dim, longest_stop_steps=longest_stop_steps)
-    if follow_step:
-        num_splits = min(num_splits, deferred_splits(batch * kv_heads, block_size, head_dim, device))
-    return num_splits, follow_step if num_splits > 1 else 0
-
-
-def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
-                       num_splits: int, head_dim: int, longest_stop_steps: int | None = None) -> int:
-    """The leader's step from which an ART call's followers walk (module docstring, *deferred followers*):
-    0 (at once) when the split-K dense walk would end before the longest monitored walk
-    (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk, or, not told that walk, before
-    ``GUESS_REGRET_RATIO`` times the guess; else the longest walk expected (``longest_stop_steps``, by default
-    ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by then load no follower's block, and one that runs
-    longer is finished by all the pair's programs.  A guess costs the guess on top of the dense walk where it is
-    short and saves the dense walk less the walks where it holds, so it is worth taking where it can save at least
-    what it can cost."""
-    if longest_stop_steps is None:
-        longest, ratio = expected_longest_walk(art), GUESS_REGRET_RATIO
-    else:
-        longest, ratio = longest_stop_steps, 1
-    if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, ratio * longest):
-        return 0
-    return longest
-
-
-def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict:
-    """``art_decode`` keywords of on-demand followers (``num_splits``, ``follow_step``, ``release_walks``,
-    ``release_step``) for walks of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within
-    ``ON_DEMAND_SPLITS``; the followers released once the leaders still walking alone are so few that their
-    programs, ``num_splits`` each, number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor, and no earlier
-    than the step :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest
-    stops); and by every leader still walking alone at ``ON_DEMAND_RELEASE_FOLLOW_STEPS`` follow steps, or at
-    ``1 / ON_DEMAND_RELEASE_WALK_SHARE`` of the walk if later, whatever the count (136 blocks for ``ARTConfig()``
-    on walks of up to 1369 blocks, 204 on walks of 2048).
-    Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k / 32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 /
-    33 on 132 multiprocessors), it took the fastest of 7 plans at 16k and one within 4.4 % of the fastest at 64k
-    (``benchmarks/NOTES-art-decode.md``, V47, V48).  Over that layer's 8 decode steps it took 0.28x the dense loop at
-    B = 128 x 32k and 0.72x at B = 32 x 32k, the fastest plan there, but 1.31x at B = 32 x 8k, where most walks run
-    past the follow step (V49).  The release step bounds the case where too few walks stop for the count to release
-    anyone (R below the pairs): at B = 32, never-stopping calls took 2.54x / 2.60x the dense time at 32k / 128k
-    without it and 1.45x / 1.17x with it, and the stopping calls at B = 32 and 128 kept their times within 1 % (V51;
-    a release step of 136 at 128k made B = 128 15 % slower: its released pairs have 32 splits, whose followers read
-    past the stop).  Usage: ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
-    check_count(max_steps, "max_steps", 1, unit="blocks")
-    if not isinstance(art, ARTParams):
-        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
-    low, high = ON_DEMAND_SPLITS
-    num_splits = min(max(max_steps // ON_DEMAND_BLOCKS_PER_SPLIT, low), high)
-    follow_step = expected_longest_walk(art)
-    return {"num_splits": num_splits, "follow_step": follow_step,
-            "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits,
-            "release_step": max(ON_DEMAND_RELEASE_FOLLOW_STEPS * follow_step,
-                                max_steps // ON_DEMAND_RELEASE_WALK_SHARE)}
-
-
-def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
-                       block_size: int, head_dim: int, pair_walks) -> tuple[int, int] | None:
-    """``(num_splits, threshold)`` of the per-pair splits that a call told ``pair_walks`` (a
-    :class:`kernels.pair_walks.PairWalks`) takes at the default split count, or ``None`` where it takes none: where
-    :func:`choose_split_plan`, told the walks' longest, takes one split, :func:`choose_pair_plan`'s if that takes
-    several."""
-    if choose_split_plan(batch, kv_heads, max_steps, device, art, block_size, head_dim,
-                         longest_stop_steps=pair_walks.sorted_walks[-1])[0] > 1:
-        return None
-    num_splits, threshold = choose_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, device)
-    return (num_splits, threshold) if num_splits > 1 else None
-
-
-def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.device) -> tuple[int, int]:
-    """:func:`pair_plan` on ``device``'s multiprocessors."""
-    return pair_plan(sorted_walks, max_steps, head_dim, _num_sms(device))
-
-
-def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[int, int]:
-    """``(num_splits, threshold)`` of per-pair splits (module docstring) for the expected walks ``sorted_walks``
-    (blocks, ascending, one per pair) of walks of at most ``max_steps`` blocks on ``sms`` multiprocessors: the
-    pairs expected to walk more than ``threshold`` blocks take every split, the others one; ``(1, longest)`` when
-    no pair should.
-
-    The split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks (``splits = ceil(max_steps / 16)``, at most
-    ``MAX_SPLITS``): their programs fill the multiprocessors that the single walks free, and short ranges end
-    soon after the last of those.  H200, the SmolLM2 layer at B = 128, 4 K/V stages (V46,
-    ``-pair-split-stages-ab.json``, ms): at 32k, threshold 115, ranges of 64 / 32 / 16 / 8 blocks 0.177 / 0.160 /
-    **0.157** / 0.172; at 128k, threshold 219, ranges of 108 / 64 / 43 / 32 blocks 0.263 / 0.257 / 0.253 / 0.251;
-    at 8k, threshold 69, ranges of 64 / 32 / 16 blocks 0.116 / 0.121 / 0.119 (V44's rule took ranges of half the
-    threshold, at least 64 blocks).
-
-    Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
-    walk, or the split pairs' range, whichever is longer, plus the blocks that the call loads (the single walks'
-    and every block of the split pairs) over the device's dense pace (``DENSE_BLOCKS_PER_LONE_STEP`` per
-    multiprocessor): the latency of the longest walk and the bandwidth of all, taken as consecutive phases, as a
-    walk that shares the bandwidth and then runs alone does.  The cheapest wins, if it costs at most
-    ``PAIR_SPLIT_MAX_COST`` of the single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81,
-    took 0.85 of the single walks' time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
-    return cheapest_pair_plan(sorted_walks, max_steps, head_dim, sms)[0]
-
-
-def cheapest_pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[tuple[int, int], float]:
-    """:func:`pair_plan`'s ``(num_splits, threshold)`` and its cost in lone monitored steps (that of the single walks
-    where it splits no pair).  A call given a ``walk_hint`` plans the same walks twice (:func:`hint_plan`, then
-    :func:`choose_pair_splits`), each pass a Python loop over the pairs (0.18 / 0.72 ms at 384 / 1024 pairs on two
-    CPU cores), so the latest plans are kept (``PAIR_PLANS_KEPT``)."""
-    return _cheapest_pair_plan(tuple(sorted_walks), max_steps, head_dim, sms)
-
-
-@functools.lru_cache(maxsize=PAIR_PLANS_KEPT)
-def _cheapest_pair_plan(sorted_walks: tuple, max_steps: int, head_dim: int,
-                        sms: int) -> tuple[tuple[int, int], float]:
-    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
-    walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
-    single_cost = walks[-1] + sum(walks) / rate
-    splits = min(MAX_SPLITS, -(-max_steps // PAIR_SPLIT_RANGE))
-    if splits < 2:
-        return (1, walks[-1]), single_cost
-    split_range = -(-max_steps // splits)
-    best_cost, best = None, None
-    loaded = 0
-    for i, threshold in enumerate(walks[:-1]):
-        loaded += threshold
-        if walks[i + 1] == threshold:
-            continue
-        cost = max(threshold, split_range) + (loaded + (len(walks) - i - 1) * max_steps) / rate
-        if best_cost is None or cost < best_cost:
-            best_cost, best = cost, (splits, threshold)
-    if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
-        return (1, walks[-1]), single_cost
-    return best, best_cost
-
-
-def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, art: ARTParams) -> dict:
-    """The keywords that a call of ``pair_walks``' ``[B, Hkv]`` pairs takes from a ``walk_hint`` whose latest walks
-    are ``pair_walks`` (a :class:`kernels.pair_walks.PairWalks`; module docstring, *the hint's plan*):
-    ``{"release_walks": R}`` of :func:`on_demand_plan` where :func:`pair_plan` would split the pairs expected to walk
-    long and the dense walk would not end before that plan does (:func:`dense_walk_ends_first`), else
-    ``{"pair_walks": pair_walks}``."""
-    batch, kv_heads = pair_walks.walks.shape
-    (num_splits, _), cost = cheapest_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(device))
-    if num_splits > 1 and not dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, cost):
-        return {"release_walks": on_demand_plan(max_steps, device, art)["release_walks"]}
-    return {"pair_walks": pair_walks}
-
-
-def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:
-    """Whether single walks of 64-token blocks expected to load ``sorted_walks`` blocks (ascending, one per pair),
-    launched longest first on ``sms`` multiprocessors, should run at 3 K/V stages where their grid exceeds a wave
-    of them (``RESIDENT_AT_THREE_STAGES`` per multiprocessor; else 2 stages and ``RESIDENT_AT_TWO_STAGES``).  The
-    fluid walk model (:func:`kernels.walk_model.shared_bandwidth_steps`, the bandwidth at
-    ``DENSE_BLOCKS_PER_LONE_STEP``) times both slot counts; fewer slots win where they gain at least
-    ``LONGEST_FIRST_THREE_STAGES_GAIN``: walks of spread lengths, whose short ones fill the slots that the long
-    ones free.  H200, synthetic cache, ``ARTConfig()``, longest first (``-longest-first-stages-ab.json``, V45):
-    B = 64 x 8k, modelled at 0.94, took 0.167 ms at 3 stages against 0.188 at 2; B = 128 x 8k (0.98) 0.315
-    against 0.322; walks of even lengths lost 2-7 % at 3 stages (B = 64 x 32k, modelled at 1.03: 0.151 against
-    0.142; B = 128 x 32k, 0.99: 0.270 against 0.264)."""
-    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
-    longest_first = sorted_walks[::-1]
-    three = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_THREE_STAGES * sms)
-    two = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_TWO_STAGES * sms)
-    return three <= LONGEST_FIRST_THREE_STAGES_GAIN * two
-
-
-def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.device) -> int:
-    """The most programs per ``(b, kv_head)`` of a call with deferred followers: all of them stay resident while
-    they wait, so the grid must fit one wave at the walk's stage count; with 64-token blocks of ``D = 128`` that
-    is ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor (a larger grid gets 2 stages, :func:`_launch_config`,
-    and the leaders' lone step slows with them), else ``MAX_SPLITS``."""
-    if block_size == TMA_MAX_BLOCK and head_dim == 128:
-        return max(1, RESIDENT_AT_THREE_STAGES * _num_sms(device) // pairs)
-    return MAX_SPLITS
-
-
-def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, head_dim: int, device: torch.device,
-                          lone_steps: int) -> bool:
-    """Whether the split-K dense walk of ``batch * kv_heads`` walks of ``max_steps`` 64-token blocks would end within
-    ``lone_steps`` steps of a lone monitored walk: the dense walk reads every block at the device's dense pace,
-    ``DENSE_BLOCKS_PER_LONE_STEP[head_dim]`` blocks per multiprocessor in the time of one lone step.  H200 (V56):
-    B = 1 x 128k at D = 128, 104 lone steps, 124 us, against 127.6 measured; B = 8 x 32k 207 steps, 246 us
-    (245.7); the SmolLM2 layer at B = 32 x 8k, 49 steps, 46 us (55.4) and at 32k 196 steps, 182 us (193.0).
-    (The rule's earlier estimate, a multiprocessor's blocks over two, read 63 steps for B = 1 x 128k.)"""
-    dense_steps = batch * kv_heads * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device))
-    return dense_steps <= lone_steps
-
-
-def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams, follow_step: int = 0) -> bool:
-    """Whether the leader's range (:func:`leader_range`) reaches the walk's earliest stop
-    (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor cannot change the result:
-    :func:`art_decode` then runs the dense walk of that split count, whose output, ``lse`` and ``steps`` (every
-    program's range) are those of the monitored walk bit for bit."""
-    return leader_range(max_steps, num_splits, follow_step) >= earliest_stop_steps(art)
-
-
-def leader_range(blocks, num_splits: int, follow_step: int = 0):
-    """Blocks in the leader's range of a walk of ``blocks`` (an int, or an int tensor of walks): the kernel gives
-    the leader ``gate + (blocks - gate) // num_splits`` with ``gate = min(follow_step, blocks)``, and cuts the rest
-    into balanced ranges, the longer ones (a block more) last; ``blocks // num_splits`` without deferred
-    followers."""
-    if isinstance(blocks, torch.Tensor):
-        gate = blocks.clamp(max=follow_step)
-    else:
-        gate = min(blocks, follow_step)
-    return gate + (blocks - gate) // num_splits
-
-
-def planned_result_steps(walks: torch.Tensor, blocks, num_splits: int, follow_step: int = 0) -> torch.Tensor:
-    """The result steps (``art_decode``'s ``return_result_steps``) of a plan of ``num_splits`` splits with followers
-    from ``follow_step`` (at once with 0, or deferred), for pairs whose single walks are ``walks [B, Hkv]`` (int,
-    in blocks; e.g. the simulator's ``stop_step + 1``) over walks of ``blocks`` (an int, or a ``[B, 1]`` int tensor
-    per sequence): the walk where it ends within the leader's range (:func:`leader_range`), else the whole walk.
-    Not the rule of per-pair splits or on-demand followers, whose leaders may walk past that range."""
-    return torch.where(walks <= leader_range(blocks, num_splits, follow_step), walks, blocks)
-
-
-def earliest_stop_steps(art: ARTParams) -> int:
-    """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
-    patience - 1`` at the earliest (the leader's first chunk ends there)."""
-    return max(1, art.min_steps) + art.patience
-
-
-def expected_longest_walk(art: ARTParams) -> int:
-    """The longest walk (blocks) that a call not told its walks plans for: ``ART_STOP_MARGIN`` earliest stops
-    (:func:`earliest_stop_steps`), 34 for ``ARTConfig()``."""
-    return ART_STOP_MARGIN * earliest_stop_steps(art)
-
-
-def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """The leader scheme over one program per multiprocessor (rounded down): the split study's
-    (:func:`kernels.bench.split_study`) comparison with one split."""
-    return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
-
-
 def tile_rows(group: int) -> tuple[int, int]:
     """``(BLOCK_H, PROBE_ROWS)`` for ``group`` query heads per KV head: the rows of the kernel's ``tl.dot``
     tile (a power of two, at least the 16 rows of an MMA), and the leading rows the ART monitor reads,
@@ -1088,11 +769,11 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
     instead of 1.3 (V9; ``programs``: those that walk at once, an on-demand call's leaders), unless the call
     walks each pair single, launched longest first from ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`),
-    on the contiguous layout, and :func:`longest_first_three_stages` prefers 3 stages for those walks (evaluated
-    once per walks object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host descriptors takes
-    ``PAIR_SPLIT_STAGES`` (4) stages: 4 programs per multiprocessor instead of 6 at 3 stages (shared memory), which
-    shortened the SmolLM2 layer's per-pair plans at B = 128 by 2-7 % (V46).  ART and dense calls of one shape
-    get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense, except the dense plan
+    on the contiguous layout, and :func:`kernels.split_plan.longest_first_three_stages` prefers 3 stages for those walks
+    (evaluated once per walks object).  A call with per-pair splits (``pair_splits``) of 64-dim tiles through host
+    descriptors takes ``PAIR_SPLIT_STAGES`` (4) stages: 4 programs per multiprocessor instead of 6 at 3 stages (shared
+    memory), which shortened the SmolLM2 layer's per-pair plans at B = 128 by 2-7 % (V46).  ART and dense calls of one
+    shape get the same configuration, so that ``tau = phi = 0`` stays bit-identical to dense, except the dense plan
     (``dense_plan``: a dense walk whose block size and split count the launcher chose), whose 64-dim tiles through
     host descriptors take 2 warps: without the monitor's latency to hide, one warp per program left too few loads
     in flight (V61: the SmolLM2 shape at B = 1 x 32k, 88 splits, 19.6 us at 1 warp, 17.1 at 2).

@@ -13,14 +13,14 @@ measures:
   monitor's block size 64 and with never-terminating thresholds (``tau = phi = 0``; same block size and split count:
   the monitor's overhead, summarised over the rows where the monitor runs: ``monitor_runs`` is false
   where the leader's range is shorter than the earliest stop and the call is the dense walk,
-  ``kernels.art_decode.leader_can_stop``), never-terminating at the default split plan (``art_never_default``:
+  ``kernels.split_plan.leader_can_stop``), never-terminating at the default split plan (``art_never_default``:
   what a call costs when no walk stops, deferred followers included; summarised over dense as
   ``never_default_over_dense_*``), and with the given ART thresholds at the default split count
-  (``num_splits`` and ``follow_step`` of ``kernels.art_decode.choose_split_plan``: followers deferred until the
+  (``num_splits`` and ``follow_step`` of ``kernels.split_plan.choose_split_plan``: followers deferred until the
   leader has walked that many blocks, or 0),
   and again told each walk (``art_calibrated``: ``pair_walks`` from the stats of one earlier single-split call
   on the same inputs, so the split rule takes their longest as ``longest_stop_steps``, and where it then takes one
-  split the walks expected to run long take every split of ``kernels.art_decode.choose_pair_plan``:
+  split the walks expected to run long take every split of ``kernels.split_plan.choose_pair_plan``:
   ``pair_split_threshold``, ``pair_split_walks``; told each walk, the call also launches the pairs longest
   first, ``kernels.art_decode``'s *launch order*; a decode loop has only its previous step's walks, which
   :mod:`kernels.bench_decode_loop` times);
@@ -96,15 +96,15 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import (ART_BLOCK_SIZE, BLOCK_SIZES, SMALL_BLOCK_PROGRAMS_PER_SM, art_decode, choose_num_splits,
-                         choose_pair_splits, choose_split_plan, leader_can_stop, leader_splits,
-                         planned_result_steps)
+from .art_decode import ART_BLOCK_SIZE, BLOCK_SIZES, art_decode
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
+from .split_plan import (SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, choose_pair_splits, choose_split_plan,
+                         leader_can_stop, leader_splits, planned_result_steps)
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -442,7 +442,7 @@ def time_bound_ms(loaded_fraction: float, dense_ms: float) -> float:
 def default_split_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams,
                        longest_stop_steps: int | None) -> tuple[int, int]:
     """The ``(num_splits, follow_step)`` of the monitored walk that ``art_decode(q, k, v, art=art,
-    longest_stop_steps=...)`` plans by default (``kernels.art_decode.choose_split_plan``) on a contiguous cache
+    longest_stop_steps=...)`` plans by default (``kernels.split_plan.choose_split_plan``) on a contiguous cache
     ``k [B, Hkv, S, D]`` of uniform lengths (where its leader cannot stop, the call runs the dense plan's walk)."""
     return choose_split_plan(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
                              ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)
@@ -450,7 +450,7 @@ def default_split_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams,
 
 def bench_pair_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams, pair_walks: PairWalks) -> tuple[int, int] | None:
     """The per-pair splits ``(num_splits, threshold)`` that ``art_decode(q, k, v, art=art, pair_walks=pair_walks)``
-    takes (``kernels.art_decode.choose_pair_splits``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths,
+    takes (``kernels.split_plan.choose_pair_splits``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths,
     or ``None``."""
     return choose_pair_splits(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
                               ART_BLOCK_SIZE, k.shape[-1], pair_walks)

@@ -11,10 +11,10 @@ inputs:
 * ``art_dense``: ``art=None`` at its defaults;
 * ``art``: the thresholds at the default split rule (no hint);
 * ``art_previous_step``: the plan that a :class:`kernels.walk_hint.LongestWalkHint` which recorded the previous
-  step's ``art_previous_step`` call gives (:func:`kernels.art_decode.hint_plan`; none at the first step): each
+  step's ``art_previous_step`` call gives (:func:`kernels.split_plan.hint_plan`; none at the first step): each
   pair's walk as ``pair_walks``, or on-demand followers where those walks are lopsided: what a decode loop gets;
 * ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do);
-* ``art_on_demand``: on-demand followers at :func:`kernels.art_decode.on_demand_plan`'s plan for the length (no hint:
+* ``art_on_demand``: on-demand followers at :func:`kernels.split_plan.on_demand_plan`'s plan for the length (no hint:
   each leader releases its followers once few walks of the launch are left).
 
 Each row keeps the step's split count, per-pair split threshold, loaded fraction and the share of pairs whose
@@ -40,12 +40,13 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import ART_BLOCK_SIZE, art_decode, hint_plan, on_demand_plan
+from .art_decode import ART_BLOCK_SIZE, art_decode
 from .art_params import ARTParams
 from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_split_plan, loaded_fraction, stopped_share,
                     tiled_capture, time_interleaved)
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
+from .split_plan import hint_plan, on_demand_plan
 from .walk_hint import LongestWalkHint
 
 LOOP_CASES = ((32, 8192), (32, 32768), (128, 32768))   # (batch, seqlen)

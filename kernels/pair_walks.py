@@ -6,7 +6,7 @@ walk at about the lone pace.  A real layer's walks are lopsided: on the SmolLM2 
 384 walks run 187-484 blocks and the rest at most 122, so the call took 0.483 ms where the same layer's walks at 8k
 (at most 128 blocks) took 0.146 (``benchmarks/NOTES-art-decode.md``, V44).  Told each pair's walk, the launcher
 gives the pairs expected to run past a threshold every split at once (the leader scheme, for those pairs only) and
-keeps the others single (:func:`kernels.art_decode.choose_pair_plan`)::
+keeps the others single (:func:`kernels.split_plan.choose_pair_plan`)::
 
     walks = PairWalks.from_walks(steps[..., 0])     # a single-split call's stats, or the simulator's stops + 1
     out = art_decode(q, k, v, art=art, pair_walks=walks)

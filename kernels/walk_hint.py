@@ -17,7 +17,7 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
     out = art_decode(q, k, v, art=art, walk_hint=hints[layer])
 
 ``art_decode`` takes the hint's latest walk as ``longest_stop_steps``, and plans the call from its latest walk of
-each pair (:func:`kernels.art_decode.hint_plan`): on-demand followers where those walks are lopsided, else the walks
+each pair (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the walks
 as ``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`); it records the call's
 walks into it (by hand: ``**hint_plan(hint.pair_walks, ...)``, then ``hint.record(steps, follow_step=...,
 on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk
@@ -32,9 +32,9 @@ from collections import deque
 
 import torch
 
-from .art_decode import leader_range
 from .int_checks import check_count
 from .pair_walks import PairWalks, longest_first
+from .split_plan import leader_range
 
 
 class LongestWalkHint:
@@ -43,7 +43,7 @@ class LongestWalkHint:
 
     A call's ``steps [B, Hkv, splits]`` (``return_stats``) hold the blocks each program loaded.  With one split
     that is each ``(b, kv_head)``'s walk.  With several, split 0 (the leader) holds the range of
-    :func:`kernels.art_decode.leader_range` (``N // splits`` of the walk's ``N`` blocks, or with deferred
+    :func:`kernels.split_plan.leader_range` (``N // splits`` of the walk's ``N`` blocks, or with deferred
     followers the follow step more): a leader that stopped loaded its walk, at most that many blocks; a leader
     that reached the end of its range without stopping (and every program of a call that ran the dense walk,
     where no leader could stop) loaded the whole range, the other programs theirs, ``N`` blocks in all.  So a

@@ -62,3 +62,17 @@ def record_decode_launches(monkeypatch):
         return launches
 
     return record
+
+
+@pytest.fixture
+def fake_sms(monkeypatch):
+    """``fake_sms(n)``: the decode launcher and its split plans (``kernels.art_decode``, ``kernels.split_plan``) see
+    ``n`` multiprocessors on every device for the test."""
+    import kernels.art_decode as art_decode_module
+    import kernels.split_plan as split_plan_module
+
+    def fake(count: int) -> None:
+        for module in (art_decode_module, split_plan_module):
+            monkeypatch.setattr(module, "_num_sms", lambda device: count)
+
+    return fake

@@ -17,11 +17,12 @@ import triton.language as tl
 from safetensors.torch import load_file
 
 import kernels.art_decode as art_decode_module
+import kernels.split_plan as split_plan_module
 from kernels import art_decode_kernel
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
-from kernels.art_decode import art_decode, on_demand_plan
+from kernels.art_decode import art_decode
 from kernels.paged_cache import to_paged
 
 CPU = torch.device("cpu")
@@ -206,7 +207,7 @@ def test_leader_split_stops_where_the_simulator_does_and_followers_are_dropped()
     assert torch.equal(out[~stopped_heads], dense[~stopped_heads])
     assert taken.dtype == torch.int32 and torch.equal(taken.long(), torch.where(leader_stopped, expected, 24))
     assert expected[2, 0] == 12 and steps[2, 0].tolist() == [12, 12] and taken[2, 0] == 12
-    assert torch.equal(taken.long(), art_decode_module.planned_result_steps(expected, 24, 2))
+    assert torch.equal(taken.long(), split_plan_module.planned_result_steps(expected, 24, 2))
 
 
 @pytest.mark.parametrize("splits, follow_step", [(2, 0), (3, 4)])
@@ -220,9 +221,9 @@ def test_planned_result_steps_are_the_result_steps_of_ragged_walks(splits, follo
     _, taken = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), num_splits=splits,
                           follow_step=follow_step, return_result_steps=True)
     blocks = torch.tensor([[24], [16], [11], [1]])
-    planned = art_decode_module.planned_result_steps(expected, blocks, splits, follow_step)
+    planned = split_plan_module.planned_result_steps(expected, blocks, splits, follow_step)
     assert torch.equal(taken.long(), planned)
-    ranges = art_decode_module.leader_range(blocks, splits, follow_step)
+    ranges = split_plan_module.leader_range(blocks, splits, follow_step)
     assert ((expected <= ranges) & (expected < blocks)).any() and (expected > ranges).any(), \
         "the case must cover leaders that stop in their range and walks that pass it"
     assert torch.equal(planned, torch.where(expected > ranges, blocks, expected))
@@ -265,20 +266,20 @@ def test_a_walk_that_cannot_stop_runs_without_the_monitor(record_decode_launches
 
 
 def test_the_dense_plan_walks_64_token_blocks_at_64_dims_and_serves_the_walks_that_cannot_stop(
-        record_decode_launches, monkeypatch):
+        fake_sms, record_decode_launches):
     """A dense call that leaves the walk to the launcher walks 128-token blocks at D = 128 and 64-token blocks at
     D = 64, at the split count of ``choose_num_splits(..., head_dim=D)``; an ART call of the launcher's plan whose
     walks cannot stop runs that dense plan's walk of 64-token blocks: at D = 64 the default dense call, bit for bit."""
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     launches = record_decode_launches(forward=True)
     for dim, block in ((64, 64), (128, 128)):
         q, k, v = synthetic_inputs(1, 6, 2, 1536, dim, torch.float16, CPU, seed=3)
         art_decode(q, k, v)
-        splits = art_decode_module.choose_num_splits(1, 2, 1536 // block, CPU, block, head_dim=dim)
+        splits = split_plan_module.choose_num_splits(1, 2, 1536 // block, CPU, block, head_dim=dim)
         assert launches.calls[-1].kwargs["BLOCK_N"] == block and launches.calls[-1].grid == (splits, 2)
-    assert splits == 1536 // 128 // art_decode_module.MIN_STEPS_PER_SPLIT   # 3 splits of 4 blocks at D = 128
+    assert splits == 1536 // 128 // split_plan_module.MIN_STEPS_PER_SPLIT   # 3 splits of 4 blocks at D = 128
     # on 2 multiprocessors the monitored plan takes 4 splits of the 24 blocks (4 programs per SM) and the dense 3
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 2)
+    fake_sms(2)
     q, k, v = synthetic_inputs(1, 6, 2, 1536, 64, torch.float16, CPU, seed=3)
     config = ARTConfig(tau=1e9, phi=2.0, patience=30).kernel_params()           # 31 steps > 24: no walk stops
     dense = art_decode(q, k, v, return_lse=True, return_stats=True)
@@ -289,21 +290,21 @@ def test_the_dense_plan_walks_64_token_blocks_at_64_dims_and_serves_the_walks_th
 
 
 def test_the_64_dim_dense_plan_walks_128_token_blocks_where_about_two_pairs_share_a_multiprocessor(
-        record_decode_launches, monkeypatch):
+        fake_sms, record_decode_launches):
     """Where one split of 64-token blocks would leave more than 1.5 and at most 2 pairs per multiprocessor, a
     64-dim dense call of the launcher's plan walks one split of 128-token blocks (V65) if the layout holds them
     whole; elsewhere, and at D = 128, the block is as before."""
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
-    band = [pairs for pairs in range(1, 400) if art_decode_module.two_pairs_per_sm(pairs, CPU)]
+    fake_sms(132)
+    band = [pairs for pairs in range(1, 400) if split_plan_module.two_pairs_per_sm(pairs, CPU)]
     assert band == list(range(199, 265))
-    block = art_decode_module.dense_block_size
+    block = split_plan_module.dense_block_size
     assert [block(None, 64, pairs, CPU) for pairs in (198, 199, 264, 265)] == [64, 128, 128, 64]
     assert [block(page, 64, 256, CPU) for page in (16, 64, 128, 256)] == [64, 64, 128, 128]
     assert block(None, 64) == 64 and block(None, 128, 256, CPU) == 128 and block(64, 128, 256, CPU) == 64
     with pytest.raises(ValueError, match="pairs and device together"):
         block(None, 64, 256)
     # on 2 multiprocessors the band is 4 pairs: B = 2 x 2 KV heads walks one split of 128-token blocks
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 2)
+    fake_sms(2)
     launches = record_decode_launches(forward=True)
     q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=5)
     planned = art_decode(q, k, v, return_lse=True)
@@ -314,11 +315,11 @@ def test_the_64_dim_dense_plan_walks_128_token_blocks_where_about_two_pairs_shar
     assert launches.calls[-1].kwargs["BLOCK_N"] == 64
 
 
-def test_the_dense_plan_gives_64_dim_tiles_two_warps(monkeypatch):
+def test_the_dense_plan_gives_64_dim_tiles_two_warps(fake_sms, monkeypatch):
     """On Hopper a dense walk of the launcher's plan reads 64-dim tiles through host descriptors with 2 warps;
     a walk whose configuration the caller chose takes the monitor's 1, so that zero thresholds stay bit-identical."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     config = art_decode_module._launch_config
     cuda = torch.device("cuda")
     assert config(cuda, 64, 64, 384, "host_descriptors", dense_plan=True) == (2, 3)
@@ -327,8 +328,8 @@ def test_the_dense_plan_gives_64_dim_tiles_two_warps(monkeypatch):
                                                                                      "host_descriptors")
 
 
-def test_the_longest_walk_hint_sets_the_default_split_plan(monkeypatch, record_decode_launches):
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+def test_the_longest_walk_hint_sets_the_default_split_plan(fake_sms, record_decode_launches):
+    fake_sms(132)
     q = torch.zeros(32, 9, 64, dtype=torch.float16)                                 # SmolLM2's heads, 128 steps
     k = v = torch.zeros(32, 3, 8192, 64, dtype=torch.float16)
     long_k = torch.zeros(32, 3, 16384, 64, dtype=torch.float16)                     # 256 steps
@@ -361,7 +362,7 @@ def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk
     # follow step 8 over 3 splits: the leader holds 8 + 16 // 3 = 13 steps, the followers 5 and 6 (the longer last)
     out, lse, steps, taken = art_decode(q, k, v, art=config.kernel_params(), num_splits=3, follow_step=8,
                                         return_lse=True, return_stats=True, return_result_steps=True)
-    assert art_decode_module.leader_range(24, 3, 8) == 13
+    assert split_plan_module.leader_range(24, 3, 8) == 13
     stopped = expected <= 13
     assert torch.equal(taken.long(), torch.where(stopped, expected, 24))
     assert stopped.any() and (~stopped).any(), "the case must cover both outcomes"
@@ -460,7 +461,7 @@ def test_on_demand_followers_wait_until_few_leaders_walk_alone(record_decode_lau
     assert call.grid == (8, 4) and call.kwargs["ON_DEMAND"]
     assert call.args[launches.kernel.arg_names.index("follow_step")] == 8
     assert call.args[launches.kernel.arg_names.index("release_step")] == min(
-        on_demand_plan(24, CPU, params)["release_step"], 24)
+        split_plan_module.on_demand_plan(24, CPU, params)["release_step"], 24)
     from kernels.pair_walks import PairWalks
     for bad, message in (({"release_walks": -1}, "release_walks"),
                          ({"release_walks": 4, "pair_walks": PairWalks.from_walks(walks)}, "no pair_walks"),
@@ -486,7 +487,7 @@ def test_per_pair_splits_give_each_pair_the_result_of_its_own_plan(monkeypatch, 
     threshold = int(walks.flatten().sort().values[2])
     split = walks > threshold
     assert split.any() and (~split).any() and (single[2][split] < 24).any(), "the case must cover both plans"
-    monkeypatch.setattr(art_decode_module, "choose_pair_plan", lambda *args: (3, threshold))
+    monkeypatch.setattr(split_plan_module, "choose_pair_plan", lambda *args: (3, threshold))
     launches = record_decode_launches(forward=True)
     out, lse, steps, taken = art_decode(q, k, v, art=params, pair_walks=PairWalks.from_walks(walks),
                                         return_lse=True, return_stats=True, return_result_steps=True)
@@ -532,7 +533,7 @@ def test_a_call_told_each_walk_launches_the_longest_first_with_the_same_results(
 
 
 def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gains():
-    from kernels.art_decode import longest_first_three_stages
+    from kernels.split_plan import longest_first_three_stages
 
     def walks(histogram: dict, copies: int) -> list[int]:
         return sorted(w for w, n in histogram.items() for _ in range(n * copies))
@@ -548,7 +549,7 @@ def test_walks_launched_longest_first_keep_three_stages_only_where_the_model_gai
     assert not longest_first_three_stages([40] * 512, 128, 132), "equal walks gain nothing from fewer slots"
 
 
-def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
+def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(fake_sms, monkeypatch):
     """The launch configuration asks the model only for contiguous single walks told each walk whose 64 x 128 grid
     exceeds a wave at 3 stages, once per walks object, and takes 3 stages where it says so; the launcher hands it the
     walks only for single-split calls told each walk, and says per-pair splits only for calls that take them."""
@@ -574,7 +575,7 @@ def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
     answer = {"three": True}
     monkeypatch.setattr(art_decode_module, "longest_first_three_stages",
                         lambda walks, head_dim, sms: asked.append((walks, head_dim, sms)) or answer["three"])
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     config, cuda = art_decode_module._launch_config, torch.device("cuda")
     assert config(cuda, 64, 128, 512, "host_descriptors", single_walks=told) == (2, 3)
@@ -589,10 +590,10 @@ def test_the_stage_rule_runs_only_for_single_walks_told_each_walk(monkeypatch):
     assert config(cuda, 64, 128, 512, "host_descriptors", single_walks=even) == (2, 2)
 
 
-def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(monkeypatch):
-    from kernels.art_decode import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
+def test_pair_plan_splits_only_the_walks_that_would_outlast_the_rest(fake_sms):
+    from kernels.split_plan import DENSE_BLOCKS_PER_LONE_STEP, MAX_SPLITS, choose_pair_plan
 
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     # 380 walks of 10 blocks and 4 of 400 in 2048: split the 4 into ranges of 16 blocks (128 splits, cost
     # 16 + (3800 + 4 * 2048) / 251 = 64 lone steps against 400 + 5400 / 251 = 422 for one split)
     assert choose_pair_plan([10] * 380 + [400] * 4, 2048, 64, CPU) == (MAX_SPLITS, 10)
@@ -661,7 +662,7 @@ def test_splits_take_balanced_ranges_with_the_leader_among_the_shortest():
         assert torch.equal(steps, expected[:, None, :].expand(-1, 2, -1))
         assert_within_flash_oracle(out, q, k, v, lengths)
     assert all(torch.equal(a, b) for a, b in zip(dense, monitored))
-    assert art_decode_module.leader_can_stop(23, 5, never) and not art_decode_module.leader_can_stop(14, 5, never)
+    assert split_plan_module.leader_can_stop(23, 5, never) and not split_plan_module.leader_can_stop(14, 5, never)
 
 
 @pytest.mark.parametrize("splits", [2, 3])
@@ -1079,7 +1080,7 @@ def test_gpu_ragged_paged_layouts_agree():
     k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
     for page_size in (1, 16, 32, 48, 64, 128, 256):
         k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
-        block = art_decode_module.dense_block_size(page_size)
+        block = split_plan_module.dense_block_size(page_size)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, return_lse=True)
         assert_paged_agrees(paged, contiguous[block], page_size, block)
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=art, num_splits=1,
@@ -1140,7 +1141,7 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
     # as far as one that did not stop).  Deferred followers of a leader that stopped by the follow step load
     # nothing.
     q, k, v = synthetic_inputs(batch, 32, 8, seqlen, 128, torch.bfloat16, _cuda(), seed=batch)
-    leader_range = art_decode_module.leader_range(seqlen // 64, splits, follow_step)
+    leader_range = split_plan_module.leader_range(seqlen // 64, splits, follow_step)
     held_back_pairs = 0
     for config in (ARTConfig(), ARTConfig(tau=1e-3, phi=1e-5, patience=8)):
         params = config.kernel_params()
@@ -1274,12 +1275,12 @@ def test_gpu_per_pair_splits_give_each_pair_the_result_of_its_plan_in_every_call
     expected = single_steps[..., 0].clone()
     expected.view(-1)[::64] = 128
     walks = PairWalks.from_walks(expected)
-    plan = art_decode_module.choose_pair_splits(128, 8, 128, q.device, params, 64, head_dim, walks)
+    plan = split_plan_module.choose_pair_splits(128, 8, 128, q.device, params, 64, head_dim, walks)
     assert plan is not None, "the case must take per-pair splits"
     splits, threshold = plan
     split = (expected > threshold).repeat_interleave(4, dim=1)
     dense = art_decode(q, k, v, art=dataclasses.replace(params, tau=0.0, phi=0.0), num_splits=splits)
-    leader_range = art_decode_module.leader_range(128, splits)
+    leader_range = split_plan_module.leader_range(128, splits)
     for _ in range(10):
         out, steps = art_decode(q, k, v, art=params, pair_walks=walks, return_stats=True)
         assert steps.shape[-1] == splits

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
+from kernels.split_plan import choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range
 
 
 def test_kv_bytes_counts_k_and_v_once():
@@ -15,8 +15,8 @@ def test_kv_bytes_counts_k_and_v_once():
     assert kv_bytes(k) == 2 * 3 * 8 * 1000 * 128 * 2
 
 
-def test_split_heuristics_fill_one_wave(monkeypatch):
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+def test_split_heuristics_fill_one_wave(fake_sms):
+    fake_sms(132)
     assert choose_num_splits(1, 8, 512, None) == 16                 # 128 programs, not 136
     assert choose_num_splits(32, 3, 512, None) == 2                 # 96 programs would idle 27 % of the SMs
     assert choose_num_splits(32, 8, 512, None) == 1
@@ -34,8 +34,8 @@ def test_split_heuristics_fill_one_wave(monkeypatch):
     assert choose_num_splits(8, 8, 512, None, block_size=128, head_dim=128) == 2    # 128-token blocks: as before
 
 
-def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(monkeypatch):
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fake_sms):
+    fake_sms(132)
     monitor = ARTParams()                                           # done at step 16 at the earliest: 17 steps
     assert earliest_stop_steps(monitor) == 17
     assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
@@ -65,10 +65,10 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(mon
     assert plan(8, 8, 512, longest=600, art=None) == (4, 0)         # dense: unused; 2 programs per SM (V61)
 
 
-def test_on_demand_plan_splits_by_length_and_releases_a_few_programs_per_multiprocessor(monkeypatch):
-    from kernels.art_decode import on_demand_plan
+def test_on_demand_plan_splits_by_length_and_releases_a_few_programs_per_multiprocessor(fake_sms):
+    from kernels.split_plan import on_demand_plan
 
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     monitor = ARTParams()                                           # earliest stop 17 steps: follow step 34
     # the best plans measured on the SmolLM2 layer at B = 128 (V47) and the two lengths checked after (V48); every
     # leader still alone releases at 4 follow steps, or a tenth of the walk where that is later (V51)
@@ -398,9 +398,9 @@ def test_walk_model_of_a_launch_counts_64_token_blocks_and_the_resident_programs
                                           bandwidth_tb_per_s=10.0, slots=14)   # two walks wait for a slot
 
 
-def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid_one_warp_at_d64(monkeypatch):
+def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid_one_warp_at_d64(fake_sms, monkeypatch):
     monkeypatch.setattr(art_decode_module.torch.cuda, "get_device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     config = art_decode_module._launch_config
     cuda = torch.device("cuda")
     host = "host_descriptors"
@@ -422,11 +422,10 @@ def test_launch_config_two_stages_only_when_a_wave_at_three_cannot_hold_the_grid
     assert config(cuda, 64, 64, 8, "pointers", paged=True) == (2, 5)
 
 
-def test_stop_agreement_counts_the_walks_equal_to_the_simulators(monkeypatch):
+def test_stop_agreement_counts_the_walks_equal_to_the_simulators(fake_sms):
     """The single walks against the simulator's, and the default plan's outputs against the blocks the simulator's
     walks give them: on one multiprocessor the plan is the single walk (walks of 12 / 6 / 9 / 5 of 16 blocks, all
     stopped); on 132 it takes 4 splits, whose leaders hold 4 blocks, so that a walk of more runs dense."""
-    import kernels.art_decode as launcher
     from art_analysis.synthetic import synthetic_cache
     from art_analysis.termination import ARTConfig, replay_kernel_walks
     from kernels.bench import stop_agreement
@@ -452,7 +451,7 @@ def test_stop_agreement_counts_the_walks_equal_to_the_simulators(monkeypatch):
     assert (summary["plan_result_steps_equal"], summary["plan_stopped_pairs"], summary["simulator_stopped_pairs"]) == (
         6, 8, 8)
     assert "stop_steps_equal" not in summarise(rows, 4.2)
-    monkeypatch.setattr(launcher, "_num_sms", lambda device: 132)
+    fake_sms(132)
     quick = ARTConfig(tau=2e-2, phi=1e-3, patience=2, min_steps=1)                  # walks of 5 / 5 / 8 / 4 blocks
     replay = lambda q, k, v: replay_kernel_walks(q, k, v, quick)                   # noqa: E731
     spread = stop_agreement(cache.q, cache.k, cache.v, quick.kernel_params(), replay)
@@ -591,7 +590,7 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     import kernels.bench as bench
     import kernels.bench_decode_loop as loop
     from art_analysis.synthetic import synthetic_cache
-    from kernels.art_decode import hint_plan
+    from kernels.split_plan import hint_plan
     from kernels.art_params import ARTParams
     from kernels.pair_walks import PairWalks
     from kernels.walk_hint import pair_walk_lengths

@@ -187,7 +187,7 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
     walks 24 % slower), in the default plan's builds (one split at B = 128 and deferred followers at small batch) and
     in ``on_demand_plan``'s, D = 128 and 64.  ptxas takes that decision from code around the loop
     (``kernels.step_schedule``; ``benchmarks/NOTES-art-decode.md``, V54, V57)."""
-    from kernels.art_decode import on_demand_plan
+    from kernels.split_plan import on_demand_plan
 
     recorded = record_decode_launches()
     params = ARTConfig().kernel_params()

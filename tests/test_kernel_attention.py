@@ -13,7 +13,8 @@ from art_analysis.kernel_attention import (KERNEL_ATTENTION_TAG, KernelAttention
 from art_analysis.orders import walks_reading
 from art_analysis.termination import ARTConfig, FixedBudget, kernel_walk_steps, stop
 import kernels.art_decode as art_decode_module
-from kernels.art_decode import art_decode, planned_result_steps
+from kernels.art_decode import art_decode
+from kernels.split_plan import planned_result_steps
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
 

@@ -7,8 +7,9 @@ import torch
 
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig
-from kernels.art_decode import art_decode, earliest_stop_steps, hint_plan, on_demand_plan
+from kernels.art_decode import art_decode
 from kernels.pair_walks import PairWalks
+from kernels.split_plan import earliest_stop_steps, hint_plan, on_demand_plan
 from kernels.walk_hint import LongestWalkHint
 
 ART = ARTConfig().kernel_params()
@@ -195,15 +196,14 @@ def test_on_demand_calls_record_each_pairs_blocks(record_decode_launches):
     assert launches.calls[0].kwargs["ON_DEMAND"] == ("release_walks" in planned)
 
 
-def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_on_demand(monkeypatch):
+def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_on_demand(fake_sms):
     """On 132 multiprocessors (the H200's), the simulator's walks of the synthetic 32/8 caches at 8k (ARTConfig(),
     30-65 blocks, about together) never take on-demand followers from a hint, at B = 1 to 128; with a few pairs
     walking the whole cache at B = 128 they do."""
-    import kernels.art_decode as art_decode_module
     from art_analysis.blockwise import blockwise_attention
     from art_analysis.termination import stop
 
-    monkeypatch.setattr(art_decode_module, "_num_sms", lambda device: 132)
+    fake_sms(132)
     cpu = torch.device("cpu")
     cache = synthetic_cache(batch=2, num_q_heads=32, num_kv_heads=8, seqlen=8192, head_dim=128, preset="realistic",
                             dtype=torch.float32)

@@ -11,7 +11,7 @@ of the same layer one token earlier.  This study measures how well that works on
   absolute change), how each layer's longest walk changes, and how often the previous step's longest walk
   falls on the same side of a split-rule threshold as the current one;
 * :func:`pair_split_persistence`: where a batch fills the GPU, ``art_decode`` told each pair's walk splits the
-  pairs expected to walk long (``kernels.art_decode.pair_plan``); how often the previous step's walks split the
+  pairs expected to walk long (``kernels.split_plan.pair_plan``); how often the previous step's walks split the
   pairs that the current step's own would, and above all the one that holds the longest walk.
 
 Run ``python -m art_analysis.analysis.walk_persistence CAPTURE`` for the summary of a capture folder
@@ -77,8 +77,8 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
     * ``split_choice_agreement``: for each threshold (blocks), the ``(layer, t)`` pairs whose longest walk lies on
       the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split plan, told the longest walk,
       starts the followers at once when that walk reaches its dense walk's length in lone steps (every block at the
-      device's dense pace, ``kernels.art_decode.dense_walk_ends_first``), and defers them to that walk otherwise
-      (``kernels.art_decode.choose_follow_step``), so this is how often the previous step's hint leads to the choice
+      device's dense pace, ``kernels.split_plan.dense_walk_ends_first``), and defers them to that walk otherwise
+      (``kernels.split_plan.choose_follow_step``), so this is how often the previous step's hint leads to the choice
       that the current walk would."""
     if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
         shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__
@@ -108,7 +108,7 @@ def pair_split_persistence(walks: torch.Tensor, *, batch: int, max_steps: int, h
     """Per-pair splits told the previous step's walks, against those told the step's own, for walks
     ``[L, T, B0, Hkv]`` (:func:`decode_walks`) tiled to ``batch`` rows (row ``b`` walks sequence ``b % B0``, as the
     decode-loop benchmark tiles a capture) of at most ``max_steps`` blocks, on ``sms`` multiprocessors.  Each step's
-    plan is ``kernels.art_decode.pair_plan`` of its tiled walks: the pairs past its threshold are split, or none.
+    plan is ``kernels.split_plan.pair_plan`` of its tiled walks: the pairs past its threshold are split, or none.
     Over every ``(layer, t >= 1)`` whose own plan splits some pairs (``pair_split_steps`` of ``pair_plan_steps``):
 
     * ``pair_split_recall``: of the pairs that the step's own plan splits, the fraction that the previous step's
@@ -116,7 +116,7 @@ def pair_split_persistence(walks: torch.Tensor, *, batch: int, max_steps: int, h
     * ``pair_split_same``: the fraction of those steps whose previous plan splits exactly the same pairs;
     * ``pair_split_longest_kept_single``: the fraction of those steps whose longest walk lies in a pair that the
       previous step's plan leaves single: the call then lasts as long as that walk, as without the walks."""
-    from kernels.art_decode import pair_plan
+    from kernels.split_plan import pair_plan
 
     if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
         shape = tuple(walks.shape) if isinstance(walks, torch.Tensor) else type(walks).__name__

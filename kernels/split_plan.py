@@ -1,0 +1,354 @@
+"""The split plans of ``kernels.art_decode.art_decode``: how a call's walks are cut into programs.
+
+The launcher takes every default from here; a caller can ask for the same plans, or cost them offline:
+
+* the dense walk's block size (:func:`dense_block_size`) and split count (:func:`choose_num_splits`);
+* an ART call's split count and the step from which its followers walk (:func:`choose_split_plan`,
+  :func:`choose_follow_step`, :func:`deferred_splits`);
+* told each pair's expected walk, per-pair splits (:func:`choose_pair_splits`, :func:`pair_plan`) or, where the
+  walks are lopsided, on-demand followers (:func:`hint_plan`, :func:`on_demand_plan`), and the stage count of walks
+  launched longest first (:func:`longest_first_three_stages`);
+* what a plan keeps of the monitor: the leader's range (:func:`leader_range`), whether it can stop at all
+  (:func:`leader_can_stop`), and the result steps its output holds given each pair's single walk
+  (:func:`planned_result_steps`).
+
+The schemes these plans choose between (the leader and its converged flag, deferred, per-pair and on-demand
+followers, the launch order) are described, with their measurements, in ``kernels.art_decode``'s docstring and
+``benchmarks/NOTES-art-decode.md``.  Plans read only the shapes, the device's multiprocessor count and the
+monitor's settings (and a :class:`kernels.pair_walks.PairWalks`' walks on the host): none copies a tensor to the
+host, so a call inside a CUDA-graph capture plans as any other.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .art_params import ARTParams
+from .device_info import num_sms as _num_sms
+from .int_checks import check_count
+from .walk_model import shared_bandwidth_steps
+
+DENSE_BLOCK_SIZE = 128
+PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
+SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
+SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
+TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
+SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
+DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)
+TMA_MAX_BLOCK = 64
+RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
+RESIDENT_AT_TWO_STAGES = 4       # ... and with 2
+# told each walk, 3 stages past a wave of them only where the walk model, longest first, gains this much (V45)
+LONGEST_FIRST_THREE_STAGES_GAIN = 0.97
+MIN_STEPS_PER_SPLIT = 4
+MAX_SPLITS = 128
+WAVE_FILL = 0.75
+ART_STOP_MARGIN = 2        # without longest_stop_steps, the longest walk is taken as this many earliest stops
+GUESS_REGRET_RATIO = 2     # ... and the followers deferred to it only where the dense walk takes this many times longer
+ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
+ON_DEMAND_SPLITS = (4, 32)        # ... within these bounds
+ON_DEMAND_RELEASED_PER_SM = 8     # ... and at most this many released programs per multiprocessor
+ON_DEMAND_RELEASE_FOLLOW_STEPS = 4   # ... every leader releases at this many follow steps, whatever the count, ...
+ON_DEMAND_RELEASE_WALK_SHARE = 10    # ... and no earlier than this share (1 / 10) of the walk
+# blocks a multiprocessor reads at the dense pace in the time of one lone monitored step (H200: 4.4 TB/s over 132
+# multiprocessors, 33 GB/s each; lone steps of 0.93 us over 16 KB blocks at D = 64, 1.19 us over 32 KB at D = 128)
+DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
+PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
+PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
+PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
+
+
+def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
+                     device: torch.device | None = None) -> int:
+    """The dense walk's default block size (tokens) for ``pairs`` ``(b, kv_head)`` pairs on ``device`` (both or
+    neither given): ``SMALL_HEAD_DENSE_BLOCK_SIZE`` at ``D = 64`` on either layout, except ``DENSE_BLOCK_SIZE`` where
+    128-token blocks fit the layout and one split of 64-token blocks would leave at most
+    ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` programs per multiprocessor (:func:`two_pairs_per_sm`); at ``D = 128``
+    on the contiguous layout (``page_size=None``) and on pages that hold 128-token blocks whole ``DENSE_BLOCK_SIZE``,
+    else ``PAGED_DENSE_BLOCK_SIZE``.  A block within one page takes one page-table entry and reads consecutive
+    rows; across pages its rows are gathered per token, which 64-token blocks bear best (H200, B = 32 / 128 x 32k,
+    the default split count: pages of 64 tokens 4.37 / 4.44 TB/s at block 64 against 4.03 / 3.98 at block 128;
+    pages of 16, 4.27 / 4.38 against 4.01 / 4.02; pages of 128, 4.43 / 4.51 at block 128;
+    ``benchmarks/NOTES-art-decode.md``, V29).  At ``D = 64`` a 128-token block is half the bytes of
+    ``D = 128``'s, and the walk of 64-token blocks at several programs per multiprocessor was the fastest at every
+    shape measured: contiguous (V61: the SmolLM2 shape at B = 8 x 32k 64.6 -> 53.9 us) and on pages of 128 tokens
+    (V63: B = 8 x 32k 71.9 -> 53.5 us, 32 x 8k 59.8 -> 53.5, 128 x 8k 194.0 -> 186.8), except where about two
+    pairs share a multiprocessor: two programs of 2 warps keep too few loads in flight, and one 128-token walk of
+    4 warps per pair was 3-9 % faster (V65: 32 / 8 heads, 208 pairs x 32k, 428.8 -> 389.6 us, cuDNN 385.2)."""
+    if (pairs is None) != (device is None):
+        raise ValueError(f"dense_block_size needs pairs and device together (or neither), got pairs={pairs!r}, "
+                         f"device={device!r}")
+    whole_wide_blocks = page_size is None or page_size % DENSE_BLOCK_SIZE == 0
+    if head_dim == 64:
+        if whole_wide_blocks and pairs is not None and two_pairs_per_sm(pairs, device):
+            return DENSE_BLOCK_SIZE
+        return SMALL_HEAD_DENSE_BLOCK_SIZE
+    if whole_wide_blocks:
+        return DENSE_BLOCK_SIZE
+    return PAGED_DENSE_BLOCK_SIZE
+
+
+def two_pairs_per_sm(pairs: int, device: torch.device) -> bool:
+    """Whether one split of the 64-dim dense plan's 64-token blocks spreads ``pairs`` pairs over the multiprocessors
+    at more than ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] / 2`` (the plan's split count is then 1:
+    :func:`choose_num_splits`) and at most ``SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM`` per multiprocessor."""
+    sms = _num_sms(device)
+    return DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[64] * sms < 2 * pairs <= 2 * SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM * sms
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,
+                      block_size: int = DENSE_BLOCK_SIZE, head_dim: int | None = None) -> int:
+    """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks, dense or ART (``kernels.art_decode``'s
+    docstring): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (for blocks of at most
+    ``TMA_MAX_BLOCK`` tokens ``SMALL_BLOCK_PROGRAMS_PER_SM``, or walked without the monitor, ``head_dim`` given,
+    ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]``), rounded down unless that leaves more than a quarter of the
+    multiprocessors idle; at least ``MIN_STEPS_PER_SPLIT`` blocks per split.  An ART call's followers wait for
+    the follow step (:func:`choose_follow_step`) before they walk."""
+    programs = batch * kv_heads
+    sms = _num_sms(device)
+    if block_size > TMA_MAX_BLOCK:
+        per_sm = TARGET_PROGRAMS_PER_SM
+    else:
+        per_sm = SMALL_BLOCK_PROGRAMS_PER_SM if head_dim is None else DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]
+    wanted = per_sm * sms // programs
+    if wanted * programs < WAVE_FILL * sms:
+        wanted += 1
+    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+
+
+def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
+                      block_size: int, head_dim: int, longest_stop_steps: int | None = None) -> tuple[int, int]:
+    """``(num_splits, follow_step)`` of a call at the default split count: :func:`choose_num_splits`, and with ``art``
+    the follow step of :func:`choose_follow_step`; a call with deferred followers keeps every program resident
+    (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
+    num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size,
+                                   head_dim=head_dim if art is None else None)
+    follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
+                                                          head_dim, longest_stop_steps=longest_stop_steps)
+    if follow_step:
+        num_splits = min(num_splits, deferred_splits(batch * kv_heads, block_size, head_dim, device))
+    return num_splits, follow_step if num_splits > 1 else 0
+
+
+def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
+                       num_splits: int, head_dim: int, longest_stop_steps: int | None = None) -> int:
+    """The leader's step from which an ART call's followers walk (``kernels.art_decode``'s docstring, *deferred
+    followers*): 0 (at once) when the split-K dense walk would end before the longest monitored walk
+    (:func:`dense_walk_ends_first`), since a call cannot end before its longest walk, or, not told that walk, before
+    ``GUESS_REGRET_RATIO`` times the guess; else the longest walk expected (``longest_stop_steps``, by default
+    ``ART_STOP_MARGIN`` earliest stops), so that walks that stop by then load no follower's block, and one that runs
+    longer is finished by all the pair's programs.  A guess costs the guess on top of the dense walk where it is
+    short and saves the dense walk less the walks where it holds, so it is worth taking where it can save at least
+    what it can cost."""
+    if longest_stop_steps is None:
+        longest, ratio = expected_longest_walk(art), GUESS_REGRET_RATIO
+    else:
+        longest, ratio = longest_stop_steps, 1
+    if num_splits == 1 or dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, ratio * longest):
+        return 0
+    return longest
+
+
+def on_demand_plan(max_steps: int, device: torch.device, art: ARTParams) -> dict:
+    """``art_decode`` keywords of on-demand followers (``num_splits``, ``follow_step``, ``release_walks``,
+    ``release_step``) for walks of up to ``max_steps`` blocks: a split per ``ON_DEMAND_BLOCKS_PER_SPLIT`` blocks within
+    ``ON_DEMAND_SPLITS``; the followers released once the leaders still walking alone are so few that their
+    programs, ``num_splits`` each, number at most ``ON_DEMAND_RELEASED_PER_SM`` per multiprocessor, and no earlier
+    than the step :func:`choose_follow_step` takes when the longest walk is not given (``ART_STOP_MARGIN`` earliest
+    stops); and by every leader still walking alone at ``ON_DEMAND_RELEASE_FOLLOW_STEPS`` follow steps, or at
+    ``1 / ON_DEMAND_RELEASE_WALK_SHARE`` of the walk if later, whatever the count (136 blocks for ``ARTConfig()``
+    on walks of up to 1369 blocks, 204 on walks of 2048).
+    Fitted to the best plans of the SmolLM2 layer at B = 128 x 8k / 32k / 128k (4-8 / 16 / 32 splits, R = 264 / 66 /
+    33 on 132 multiprocessors), it took the fastest of 7 plans at 16k and one within 4.4 % of the fastest at 64k
+    (``benchmarks/NOTES-art-decode.md``, V47, V48).  Over that layer's 8 decode steps it took 0.28x the dense loop at
+    B = 128 x 32k and 0.72x at B = 32 x 32k, the fastest plan there, but 1.31x at B = 32 x 8k, where most walks run
+    past the follow step (V49).  The release step bounds the case where too few walks stop for the count to release
+    anyone (R below the pairs): at B = 32, never-stopping calls took 2.54x / 2.60x the dense time at 32k / 128k
+    without it and 1.45x / 1.17x with it, and the stopping calls at B = 32 and 128 kept their times within 1 % (V51;
+    a release step of 136 at 128k made B = 128 15 % slower: its released pairs have 32 splits, whose followers read
+    past the stop).  Usage: ``art_decode(q, k, v, art=art, **on_demand_plan(blocks, q.device, art))``."""
+    check_count(max_steps, "max_steps", 1, unit="blocks")
+    if not isinstance(art, ARTParams):
+        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
+    low, high = ON_DEMAND_SPLITS
+    num_splits = min(max(max_steps // ON_DEMAND_BLOCKS_PER_SPLIT, low), high)
+    follow_step = expected_longest_walk(art)
+    return {"num_splits": num_splits, "follow_step": follow_step,
+            "release_walks": ON_DEMAND_RELEASED_PER_SM * _num_sms(device) // num_splits,
+            "release_step": max(ON_DEMAND_RELEASE_FOLLOW_STEPS * follow_step,
+                                max_steps // ON_DEMAND_RELEASE_WALK_SHARE)}
+
+
+def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
+                       block_size: int, head_dim: int, pair_walks) -> tuple[int, int] | None:
+    """``(num_splits, threshold)`` of the per-pair splits that a call told ``pair_walks`` (a
+    :class:`kernels.pair_walks.PairWalks`) takes at the default split count, or ``None`` where it takes none: where
+    :func:`choose_split_plan`, told the walks' longest, takes one split, :func:`choose_pair_plan`'s if that takes
+    several."""
+    if choose_split_plan(batch, kv_heads, max_steps, device, art, block_size, head_dim,
+                         longest_stop_steps=pair_walks.sorted_walks[-1])[0] > 1:
+        return None
+    num_splits, threshold = choose_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, device)
+    return (num_splits, threshold) if num_splits > 1 else None
+
+
+def choose_pair_plan(sorted_walks, max_steps: int, head_dim: int, device: torch.device) -> tuple[int, int]:
+    """:func:`pair_plan` on ``device``'s multiprocessors."""
+    return pair_plan(sorted_walks, max_steps, head_dim, _num_sms(device))
+
+
+def pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[int, int]:
+    """``(num_splits, threshold)`` of per-pair splits (``kernels.art_decode``'s docstring) for the expected walks
+    ``sorted_walks`` (blocks, ascending, one per pair) of walks of at most ``max_steps`` blocks on ``sms``
+    multiprocessors: the pairs expected to walk more than ``threshold`` blocks take every split, the others one;
+    ``(1, longest)`` when no pair should.
+
+    The split pairs' ranges are ``PAIR_SPLIT_RANGE`` (16) blocks (``splits = ceil(max_steps / 16)``, at most
+    ``MAX_SPLITS``): their programs fill the multiprocessors that the single walks free, and short ranges end
+    soon after the last of those.  H200, the SmolLM2 layer at B = 128, 4 K/V stages (V46,
+    ``-pair-split-stages-ab.json``, ms): at 32k, threshold 115, ranges of 64 / 32 / 16 / 8 blocks 0.177 / 0.160 /
+    **0.157** / 0.172; at 128k, threshold 219, ranges of 108 / 64 / 43 / 32 blocks 0.263 / 0.257 / 0.253 / 0.251;
+    at 8k, threshold 69, ranges of 64 / 32 / 16 blocks 0.116 / 0.121 / 0.119 (V44's rule took ranges of half the
+    threshold, at least 64 blocks).
+
+    Each candidate threshold ``t`` (an expected walk) is costed in lone monitored steps as the longest single
+    walk, or the split pairs' range, whichever is longer, plus the blocks that the call loads (the single walks'
+    and every block of the split pairs) over the device's dense pace (``DENSE_BLOCKS_PER_LONE_STEP`` per
+    multiprocessor): the latency of the longest walk and the bandwidth of all, taken as consecutive phases, as a
+    walk that shares the bandwidth and then runs alone does.  The cheapest wins, if it costs at most
+    ``PAIR_SPLIT_MAX_COST`` of the single walks (H200, V44: the SmolLM2 layer at B = 128 x 8k, costed at 0.81,
+    took 0.85 of the single walks' time; the synthetic cache at B = 32 x 8k, costed at 0.99, took 1.08)."""
+    return cheapest_pair_plan(sorted_walks, max_steps, head_dim, sms)[0]
+
+
+def cheapest_pair_plan(sorted_walks, max_steps: int, head_dim: int, sms: int) -> tuple[tuple[int, int], float]:
+    """:func:`pair_plan`'s ``(num_splits, threshold)`` and its cost in lone monitored steps (that of the single walks
+    where it splits no pair).  A call given a ``walk_hint`` plans the same walks twice (:func:`hint_plan`, then
+    :func:`choose_pair_splits`), each pass a Python loop over the pairs (0.18 / 0.72 ms at 384 / 1024 pairs on two
+    CPU cores), so the latest plans are kept (``PAIR_PLANS_KEPT``)."""
+    return _cheapest_pair_plan(tuple(sorted_walks), max_steps, head_dim, sms)
+
+
+@functools.lru_cache(maxsize=PAIR_PLANS_KEPT)
+def _cheapest_pair_plan(sorted_walks: tuple, max_steps: int, head_dim: int,
+                        sms: int) -> tuple[tuple[int, int], float]:
+    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
+    walks = [min(max(1, int(w)), max_steps) for w in sorted_walks]
+    single_cost = walks[-1] + sum(walks) / rate
+    splits = min(MAX_SPLITS, -(-max_steps // PAIR_SPLIT_RANGE))
+    if splits < 2:
+        return (1, walks[-1]), single_cost
+    split_range = -(-max_steps // splits)
+    best_cost, best = None, None
+    loaded = 0
+    for i, threshold in enumerate(walks[:-1]):
+        loaded += threshold
+        if walks[i + 1] == threshold:
+            continue
+        cost = max(threshold, split_range) + (loaded + (len(walks) - i - 1) * max_steps) / rate
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, (splits, threshold)
+    if best_cost is None or best_cost > PAIR_SPLIT_MAX_COST * single_cost:
+        return (1, walks[-1]), single_cost
+    return best, best_cost
+
+
+def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, art: ARTParams) -> dict:
+    """The keywords that a call of ``pair_walks``' ``[B, Hkv]`` pairs takes from a ``walk_hint`` whose latest walks
+    are ``pair_walks`` (a :class:`kernels.pair_walks.PairWalks`; ``kernels.art_decode``'s docstring, *the hint's plan*):
+    ``{"release_walks": R}`` of :func:`on_demand_plan` where :func:`pair_plan` would split the pairs expected to walk
+    long and the dense walk would not end before that plan does (:func:`dense_walk_ends_first`), else
+    ``{"pair_walks": pair_walks}``."""
+    batch, kv_heads = pair_walks.walks.shape
+    (num_splits, _), cost = cheapest_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(device))
+    if num_splits > 1 and not dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, cost):
+        return {"release_walks": on_demand_plan(max_steps, device, art)["release_walks"]}
+    return {"pair_walks": pair_walks}
+
+
+def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:
+    """Whether single walks of 64-token blocks expected to load ``sorted_walks`` blocks (ascending, one per pair),
+    launched longest first on ``sms`` multiprocessors, should run at 3 K/V stages where their grid exceeds a wave
+    of them (``RESIDENT_AT_THREE_STAGES`` per multiprocessor; else 2 stages and ``RESIDENT_AT_TWO_STAGES``).  The
+    fluid walk model (:func:`kernels.walk_model.shared_bandwidth_steps`, the bandwidth at
+    ``DENSE_BLOCKS_PER_LONE_STEP``) times both slot counts; fewer slots win where they gain at least
+    ``LONGEST_FIRST_THREE_STAGES_GAIN``: walks of spread lengths, whose short ones fill the slots that the long
+    ones free.  H200, synthetic cache, ``ARTConfig()``, longest first (``-longest-first-stages-ab.json``, V45):
+    B = 64 x 8k, modelled at 0.94, took 0.167 ms at 3 stages against 0.188 at 2; B = 128 x 8k (0.98) 0.315
+    against 0.322; walks of even lengths lost 2-7 % at 3 stages (B = 64 x 32k, modelled at 1.03: 0.151 against
+    0.142; B = 128 x 32k, 0.99: 0.270 against 0.264)."""
+    rate = DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms
+    longest_first = sorted_walks[::-1]
+    three = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_THREE_STAGES * sms)
+    two = shared_bandwidth_steps(longest_first, blocks_per_step=rate, slots=RESIDENT_AT_TWO_STAGES * sms)
+    return three <= LONGEST_FIRST_THREE_STAGES_GAIN * two
+
+
+def deferred_splits(pairs: int, block_size: int, head_dim: int, device: torch.device) -> int:
+    """The most programs per ``(b, kv_head)`` of a call with deferred followers: all of them stay resident while
+    they wait, so the grid must fit one wave at the walk's stage count; with 64-token blocks of ``D = 128`` that
+    is ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor (a larger grid gets 2 stages,
+    :func:`kernels.art_decode._launch_config`, and the leaders' lone step slows with them), else ``MAX_SPLITS``."""
+    if block_size == TMA_MAX_BLOCK and head_dim == 128:
+        return max(1, RESIDENT_AT_THREE_STAGES * _num_sms(device) // pairs)
+    return MAX_SPLITS
+
+
+def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, head_dim: int, device: torch.device,
+                          lone_steps: int) -> bool:
+    """Whether the split-K dense walk of ``batch * kv_heads`` walks of ``max_steps`` 64-token blocks would end within
+    ``lone_steps`` steps of a lone monitored walk: the dense walk reads every block at the device's dense pace,
+    ``DENSE_BLOCKS_PER_LONE_STEP[head_dim]`` blocks per multiprocessor in the time of one lone step.  H200 (V56):
+    B = 1 x 128k at D = 128, 104 lone steps, 124 us, against 127.6 measured; B = 8 x 32k 207 steps, 246 us
+    (245.7); the SmolLM2 layer at B = 32 x 8k, 49 steps, 46 us (55.4) and at 32k 196 steps, 182 us (193.0).
+    (The rule's earlier estimate, a multiprocessor's blocks over two, read 63 steps for B = 1 x 128k.)"""
+    dense_steps = batch * kv_heads * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device))
+    return dense_steps <= lone_steps
+
+
+def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams, follow_step: int = 0) -> bool:
+    """Whether the leader's range (:func:`leader_range`) reaches the walk's earliest stop
+    (:func:`earliest_stop_steps`).  When it does not, no walk can stop and the monitor cannot change the result:
+    :func:`kernels.art_decode.art_decode` then runs the dense walk of that split count, whose output, ``lse`` and
+    ``steps`` (every program's range) are those of the monitored walk bit for bit."""
+    return leader_range(max_steps, num_splits, follow_step) >= earliest_stop_steps(art)
+
+
+def leader_range(blocks, num_splits: int, follow_step: int = 0):
+    """Blocks in the leader's range of a walk of ``blocks`` (an int, or an int tensor of walks): the kernel gives
+    the leader ``gate + (blocks - gate) // num_splits`` with ``gate = min(follow_step, blocks)``, and cuts the rest
+    into balanced ranges, the longer ones (a block more) last; ``blocks // num_splits`` without deferred
+    followers."""
+    if isinstance(blocks, torch.Tensor):
+        gate = blocks.clamp(max=follow_step)
+    else:
+        gate = min(blocks, follow_step)
+    return gate + (blocks - gate) // num_splits
+
+
+def planned_result_steps(walks: torch.Tensor, blocks, num_splits: int, follow_step: int = 0) -> torch.Tensor:
+    """The result steps (``art_decode``'s ``return_result_steps``) of a plan of ``num_splits`` splits with followers
+    from ``follow_step`` (at once with 0, or deferred), for pairs whose single walks are ``walks [B, Hkv]`` (int,
+    in blocks; e.g. the simulator's ``stop_step + 1``) over walks of ``blocks`` (an int, or a ``[B, 1]`` int tensor
+    per sequence): the walk where it ends within the leader's range (:func:`leader_range`), else the whole walk.
+    Not the rule of per-pair splits or on-demand followers, whose leaders may walk past that range."""
+    return torch.where(walks <= leader_range(blocks, num_splits, follow_step), walks, blocks)
+
+
+def earliest_stop_steps(art: ARTParams) -> int:
+    """The fewest steps a monitored walk loads: its heads are done at step ``max(1, min_steps) +
+    patience - 1`` at the earliest (the leader's first chunk ends there)."""
+    return max(1, art.min_steps) + art.patience
+
+
+def expected_longest_walk(art: ARTParams) -> int:
+    """The longest walk (blocks) that a call not told its walks plans for: ``ART_STOP_MARGIN`` earliest stops
+    (:func:`earliest_stop_steps`), 34 for ``ARTConfig()``."""
+    return ART_STOP_MARGIN * earliest_stop_steps(art)
+
+
+def leader_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """The leader scheme over one program per multiprocessor (rounded down): the split study's
+    (:func:`kernels.bench.split_study`) comparison with one split."""
+    return max(1, min(_num_sms(device) // (batch * kv_heads), MAX_SPLITS))
