@@ -459,8 +459,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
             the stats without a sync), or the simulator's stop steps on a captured layer (+ 1); default
             ``walk_hint``'s, else ``ART_STOP_MARGIN`` times the earliest stop.  Sets the default follow step
-            (:func:`kernels.split_plan.choose_follow_step`).  Unused when ``follow_step`` is given or ``art`` is
-        ``None``.
+            (:func:`kernels.split_plan.choose_follow_step`).  Unused when ``follow_step`` is given or ``art``
+            is ``None``.
         follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
             wait until the leader has walked that many blocks without stopping (*deferred followers*, module
             docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
