@@ -394,6 +394,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -403,6 +404,7 @@ from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
+from .pair_walks import PairWalks
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
                          dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
                          on_demand_plan)
@@ -425,81 +427,87 @@ ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between poll
 COMBINE_ROWS = 64          # (query head, split) partial rows the last program merges per iteration
 
 
-def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-               cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-               sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
-               block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
-               follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False,
-               return_result_steps: bool = False):
-    """Decode attention with optional ART termination.
+@dataclass(frozen=True)
+class DecodePlan:
+    """The walk an :func:`art_decode` call runs, as :func:`plan_decode` resolves it (before any launch).
 
-    Args:
-        q: ``[B, Hq, D]`` one query per sequence (fp16, bf16 or fp32), ``D`` in ``HEAD_DIMS``.
-        k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages, page_size, Hkv, D]``
-            when ``block_table`` is given; same dtype and device as ``q``, unit stride in ``D``.
-        cache_seqlens: ``[B]`` int32/int64 valid tokens per sequence, ``1 <= len <= capacity``
-            (default: the capacity, ``S`` or ``max_pages * page_size``).  Inside a CUDA-graph capture
-            the values are not read (that needs a sync): the graph is sized for the capacity, its replays
-            read the tensor's current lengths, and keeping them (and ``block_table``'s pages) valid is
-            the caller's part.
-        block_table: ``[B, max_pages]`` int32/int64 page ids of each sequence (paged layout).
-        sm_scale: softmax scale, default ``D ** -0.5``.
-        art: monitor settings, or ``None`` for dense attention.
-        order: ``"sequential"`` or ``"sink_recency"`` block traversal.
-        block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
-            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
-            (:func:`kernels.split_plan.dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where
-            one split of 64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on
-            pages that do not hold 128-token blocks whole).
-        num_splits: programs per ``(b, kv_head)``; default :func:`kernels.split_plan.choose_split_plan`, or with
-            ``release_walks`` :func:`kernels.split_plan.on_demand_plan`'s.
-        longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
-            e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
-            ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
-            the stats without a sync), or the simulator's stop steps on a captured layer (+ 1); default
-            ``walk_hint``'s, else ``ART_STOP_MARGIN`` times the earliest stop.  Sets the default follow step
-            (:func:`kernels.split_plan.choose_follow_step`).  Unused when ``follow_step`` is given or ``art``
-            is ``None``.
-        follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
-            wait until the leader has walked that many blocks without stopping (*deferred followers*, module
-            docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
-            release them.  Default: :func:`kernels.split_plan.choose_split_plan`'s (with ``release_walks``,
-            :func:`kernels.split_plan.on_demand_plan`'s) when ``num_splits`` is not given, else 0.
-        walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
-            default ``longest_stop_steps``, and where the shapes agree (and neither ``num_splits``, ``follow_step``,
-            ``longest_stop_steps`` nor ``release_walks`` is given) its latest walk of each pair plans the call
-            (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the default
-            ``pair_walks``; this call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
-        pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
-            pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
-            one split, the pairs expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan`
-            (module docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
-        release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
-            each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
-            its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
-            whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
-            count, follow step and release step of :func:`kernels.split_plan.on_demand_plan`, which also suggests this
-            count.  Not with ``pair_walks``.
-        release_step: with ``release_walks``, the leader's step from which it releases its followers whatever the
-            count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
-            which too few walks stop does not walk alone to the end.  Default:
-            :func:`kernels.split_plan.on_demand_plan`'s when ``num_splits`` is not given, else never.
-        return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
-            the scaled scores over the visited blocks).
-        return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
-            program's result (for the leader that stopped: its stop step + 1, as the simulator's
-            ``stop_step + 1``), which are the blocks each program loaded.
-        return_result_steps: also return ``result_steps [B, Hkv]`` (int32): the leading steps of the traversal
-            order whose blocks entered the output.  Where the leader's result alone is the pair's (it stopped, or
-            walked the whole walk alone) its ``steps``, else the whole walk (``ceil(cache_seqlens / block_size)``
-            blocks): a follower's blocks loaded before it saw its leader stop do not count, nor does a leader that
-            stopped at the last step of its range look like one that walked on.  Under ART, the simulator's
-            ``stop_step + 1`` wherever the leader stopped.
-
-    Returns:
-        ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse``, ``steps`` and ``result_steps`` when requested.
+    Attributes:
+        batch, q_heads, kv_heads, head_dim: ``B``, ``Hq``, ``Hkv`` and ``D`` of the call.
+        paged: whether the cache is paged (``block_table`` given).
+        order: the traversal order, ``"sequential"`` or ``"sink_recency"``.
+        sm_scale: the softmax scale.
+        seqlens: ``[B]`` int32/int64 lengths on the call's device, or ``None`` where every sequence runs to the
+            capacity.
+        max_len: the longest sequence in tokens (the capacity inside a CUDA-graph capture).
+        max_steps: blocks of the longest walk, ``ceil(max_len / block_size)``.
+        block_size: tokens per block (the monitor's step).
+        num_splits: programs per ``(b, kv_head)``.
+        follow_step: the leader's step from which the followers walk (0: at once, or one split).
+        art: the monitor the kernel runs; ``None`` for a dense call, and for a monitored call whose leader cannot
+            reach the earliest stop (:func:`kernels.split_plan.leader_can_stop`): that call runs the dense walk.
+        monitored: whether the call asked for the monitor (``art`` given).
+        pair_walks: the :class:`kernels.pair_walks.PairWalks` the call was told (directly or by its ``walk_hint``),
+            else ``None``.
+        pair_threshold: with per-pair splits, the expected walk past which a pair takes every split, else ``None``.
+        release_walks, release_step: with on-demand followers, the count of leaders still walking alone below which
+            a leader releases its followers, and the step from which it releases them whatever the count (``None``:
+            never); both ``None`` without on-demand followers.
+        dense_plan: whether a dense walk's block size and split count are the launcher's own.
     """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    paged: bool
+    order: str
+    sm_scale: float
+    seqlens: torch.Tensor | None
+    max_len: int
+    max_steps: int
+    block_size: int
+    num_splits: int
+    follow_step: int
+    art: ARTParams | None
+    monitored: bool
+    pair_walks: PairWalks | None
+    pair_threshold: int | None
+    release_walks: int | None
+    release_step: int | None
+    dense_plan: bool
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether the followers are released on demand (module docstring, *on-demand followers*)."""
+        return self.release_walks is not None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the followers wait for the leader's follow step (module docstring, *deferred followers*)."""
+        return self.follow_step > 0 and not self.on_demand
+
+    @property
+    def per_pair_splits(self) -> bool:
+        """Whether only the pairs expected to walk past ``pair_threshold`` take every split."""
+        return self.pair_threshold is not None
+
+    @property
+    def longest_first(self) -> bool:
+        """Whether the programs take the pairs longest expected walk first (module docstring, *launch order*)."""
+        return self.pair_walks is not None and self.art is not None
+
+
+def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
+                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
+                follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
+                release_step: int | None = None) -> DecodePlan:
+    """The :class:`DecodePlan` of ``art_decode(q, k_cache, v_cache, ...)`` with the same arguments (see
+    :func:`art_decode`), without a launch: every check of the inputs and keywords, then the block size, split
+    count, follow step, per-pair splits or on-demand followers (``kernels.split_plan``), and whether the monitor
+    runs at all.  :func:`art_decode` runs exactly this plan; the benchmark states each row's plan from it.  Reads
+    the lengths (a sync on a device), except inside a CUDA-graph capture; records nothing into ``walk_hint``."""
     batch, q_heads, head_dim = _check_tensors(q, k_cache, v_cache, block_table)
     paged = block_table is not None
     kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
@@ -600,6 +608,101 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             num_splits = choose_split_plan(batch, kv_heads, max_steps, q.device, None, block_size, head_dim)[0]
             dense_plan = True
 
+    on_demand = release_walks is not None and art is not None and num_splits > 1
+    return DecodePlan(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, paged=paged, order=order,
+                      sm_scale=float(sm_scale), seqlens=seqlens, max_len=max_len, max_steps=max_steps,
+                      block_size=block_size, num_splits=num_splits, follow_step=follow_step, art=art,
+                      monitored=monitored, pair_walks=pair_walks, pair_threshold=pair_threshold,
+                      release_walks=release_walks if on_demand else None,
+                      release_step=release_step if on_demand else None, dense_plan=dense_plan)
+
+
+def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+               cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+               sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
+               block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
+               follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
+               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False,
+               return_result_steps: bool = False):
+    """Decode attention with optional ART termination: the walk that :func:`plan_decode` resolves from the same
+    arguments, in one launch.
+
+    Args:
+        q: ``[B, Hq, D]`` one query per sequence (fp16, bf16 or fp32), ``D`` in ``HEAD_DIMS``.
+        k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages, page_size, Hkv, D]``
+            when ``block_table`` is given; same dtype and device as ``q``, unit stride in ``D``.
+        cache_seqlens: ``[B]`` int32/int64 valid tokens per sequence, ``1 <= len <= capacity``
+            (default: the capacity, ``S`` or ``max_pages * page_size``).  Inside a CUDA-graph capture
+            the values are not read (that needs a sync): the graph is sized for the capacity, its replays
+            read the tensor's current lengths, and keeping them (and ``block_table``'s pages) valid is
+            the caller's part.
+        block_table: ``[B, max_pages]`` int32/int64 page ids of each sequence (paged layout).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        art: monitor settings, or ``None`` for dense attention.
+        order: ``"sequential"`` or ``"sink_recency"`` block traversal.
+        block_size: tokens per KV block (the monitor's step), one of ``BLOCK_SIZES``; default
+            ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
+            (:func:`kernels.split_plan.dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where
+            one split of 64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on
+            pages that do not hold 128-token blocks whole).
+        num_splits: programs per ``(b, kv_head)``; default :func:`kernels.split_plan.choose_split_plan`, or with
+            ``release_walks`` :func:`kernels.split_plan.on_demand_plan`'s.
+        longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:
+            e.g. ``steps[..., 0].max()`` of an earlier call on this layer with ``num_splits=1`` and
+            ``return_stats`` (at any split count, :class:`kernels.walk_hint.LongestWalkHint` takes it from
+            the stats without a sync), or the simulator's stop steps on a captured layer (+ 1); default
+            ``walk_hint``'s, else ``ART_STOP_MARGIN`` times the earliest stop.  Sets the default follow step
+            (:func:`kernels.split_plan.choose_follow_step`).  Unused when ``follow_step`` is given or ``art``
+            is ``None``.
+        follow_step: with ``art`` and several splits, the leader's step from which the followers walk: they
+            wait until the leader has walked that many blocks without stopping (*deferred followers*, module
+            docstring); 0 starts them at once.  With ``release_walks``, the first step at which the leader may
+            release them.  Default: :func:`kernels.split_plan.choose_split_plan`'s (with ``release_walks``,
+            :func:`kernels.split_plan.on_demand_plan`'s) when ``num_splits`` is not given, else 0.
+        walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
+            default ``longest_stop_steps``, and where the shapes agree (and neither ``num_splits``, ``follow_step``,
+            ``longest_stop_steps`` nor ``release_walks`` is given) its latest walk of each pair plans the call
+            (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the default
+            ``pair_walks``; this call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
+        pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
+            pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
+            one split, the pairs expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan`
+            (module docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
+        release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
+            each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
+            its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
+            whose leader stops first, or walks to its end, is the single walk.  Without ``num_splits``, the split
+            count, follow step and release step of :func:`kernels.split_plan.on_demand_plan`, which also suggests this
+            count.  Not with ``pair_walks``.
+        release_step: with ``release_walks``, the leader's step from which it releases its followers whatever the
+            count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
+            which too few walks stop does not walk alone to the end.  Default:
+            :func:`kernels.split_plan.on_demand_plan`'s when ``num_splits`` is not given, else never.
+        return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
+            the scaled scores over the visited blocks).
+        return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
+            program's result (for the leader that stopped: its stop step + 1, as the simulator's
+            ``stop_step + 1``), which are the blocks each program loaded.
+        return_result_steps: also return ``result_steps [B, Hkv]`` (int32): the leading steps of the traversal
+            order whose blocks entered the output.  Where the leader's result alone is the pair's (it stopped, or
+            walked the whole walk alone) its ``steps``, else the whole walk (``ceil(cache_seqlens / block_size)``
+            blocks): a follower's blocks loaded before it saw its leader stop do not count, nor does a leader that
+            stopped at the last step of its range look like one that walked on.  Under ART, the simulator's
+            ``stop_step + 1`` wherever the leader stopped.
+
+    Returns:
+        ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse``, ``steps`` and ``result_steps`` when requested.
+    """
+    plan = plan_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, sm_scale=sm_scale,
+                       art=art, order=order, block_size=block_size, num_splits=num_splits,
+                       longest_stop_steps=longest_stop_steps, follow_step=follow_step, walk_hint=walk_hint,
+                       pair_walks=pair_walks, release_walks=release_walks, release_step=release_step)
+    batch, q_heads, kv_heads, head_dim = plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim
+    paged, seqlens, max_len, max_steps = plan.paged, plan.seqlens, plan.max_len, plan.max_steps
+    block_size, num_splits, follow_step, art = plan.block_size, plan.num_splits, plan.follow_step, plan.art
+    pair_walks, pair_threshold, on_demand = plan.pair_walks, plan.pair_threshold, plan.on_demand
+    group = q_heads // kv_heads
+
     out = _scratch((batch, q_heads, head_dim), q.dtype, q.device)
     lse = _scratch((batch, q_heads), torch.float32, q.device)
     steps = _scratch((batch, kv_heads, num_splits), torch.int32, q.device)
@@ -611,7 +714,6 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         part_out = _scratch((batch, q_heads, num_splits, head_dim), torch.float32, q.device)
         part_lse = _scratch((batch, q_heads, num_splits), torch.float32, q.device)
         arrivals = _arrival_counters(q.device, batch * kv_heads)
-    on_demand = release_walks is not None and art is not None and not single
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else steps          # steps: a placeholder pointer, never read
     lengths = steps if seqlens is None else seqlens
@@ -625,15 +727,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                       leader_steps=(max_steps if on_demand else leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
     programs = batch * kv_heads * num_splits
-    pair_gates = pair_threshold is not None
+    pair_gates = plan.per_pair_splits
     if pair_gates:   # the followers of the pairs below the threshold have empty ranges
         programs = batch * kv_heads + (num_splits - 1) * sum(w > pair_threshold for w in pair_walks.sorted_walks)
     elif on_demand:   # the followers are dispatched after every leader and wait: the leaders alone walk at once (V52)
         programs = batch * kv_heads
-    longest_first = pair_walks is not None and art is not None
+    longest_first = plan.longest_first
     num_warps, num_stages = _launch_config(q.device, block_size, head_dim, programs, loads, paged=paged,
                                            single_walks=pair_walks if longest_first and single else None,
-                                           pair_splits=pair_gates, dense_plan=dense_plan)
+                                           pair_splits=pair_gates, dense_plan=plan.dense_plan)
     block_g = triton.next_power_of_2(group)
     block_h, probe_rows = tile_rows(group)
     k_arg, v_arg = k_cache, v_cache
@@ -641,22 +743,22 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         k_arg, v_arg = (host_descriptor(x, block_size, rows=max_len) for x in (k_cache, v_cache))
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
-    deferred = follow_step > 0 and not on_demand
+    deferred = plan.deferred
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, kept, arrivals,
         pair_walks.walks if pair_gates else _release_words(q.device, batch * kv_heads) if on_demand else steps,
         pair_walks.launch_order if longest_first else steps,
-        float(sm_scale), float(monitor.tau), float(monitor.phi), int(monitor.patience),
+        plan.sm_scale, float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * (max_steps if on_demand else follow_step),
-        pair_threshold if pair_gates else release_walks if on_demand else 0,
-        min(release_step, max_steps) if on_demand and release_step is not None else max_steps,
+        pair_threshold if pair_gates else plan.release_walks if on_demand else 0,
+        min(plan.release_step, max_steps) if on_demand and plan.release_step is not None else max_steps,
         q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
-        PAGED=paged, SINK_RECENCY=order == "sink_recency", SINGLE_SPLIT=single,
+        PAGED=paged, SINK_RECENCY=plan.order == "sink_recency", SINGLE_SPLIT=single,
         ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
         PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
         USE_SCALE=monitor.use_scale, USE_DIRECTION=monitor.use_direction, ART_CHUNK=ART_CHUNK,
@@ -668,7 +770,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         LONGEST_FIRST=longest_first, ON_DEMAND=on_demand, PROGRAM_THREADS=32 * num_warps,
         POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, RECORD_KEPT=return_result_steps,
         num_warps=num_warps, num_stages=num_stages)
-    if walk_hint is not None and monitored:
+    if walk_hint is not None and plan.monitored:
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
@@ -847,7 +949,6 @@ def _check_tensors(q, k_cache, v_cache, block_table):
 
 
 def _check_pair_walks(pair_walks, batch: int, kv_heads: int, device: torch.device, art, num_splits, follow_step):
-    from .pair_walks import PairWalks
     if not isinstance(pair_walks, PairWalks):
         raise TypeError(f"pair_walks must be a kernels.pair_walks.PairWalks, got {type(pair_walks).__name__}")
     if art is None:

@@ -96,15 +96,14 @@ import triton
 import triton.testing
 from tqdm.auto import tqdm
 
-from .art_decode import ART_BLOCK_SIZE, BLOCK_SIZES, art_decode
+from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
 from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
-from .split_plan import (SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, choose_pair_splits, choose_split_plan,
-                         leader_can_stop, leader_splits, planned_result_steps)
+from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits, planned_result_steps
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -244,14 +243,15 @@ def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTPa
     diff = (steps[..., 0].long().cpu() - expected.long().cpu()).flatten()
     unequal = diff[diff != 0].tolist()
     blocks = math.ceil(k.shape[2] / ART_BLOCK_SIZE)
-    plan_splits, follow_step = default_split_plan(q, k, art, None)
+    plan = plan_decode(q, k, v, art=art)
     _, _, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True)
     walks = expected.long().cpu()
-    kept = planned_result_steps(walks, blocks, plan_splits, follow_step)
+    kept = (planned_result_steps(walks, blocks, plan.num_splits, plan.follow_step) if plan.art is not None
+            else torch.full_like(walks, blocks))      # a leader that cannot stop: the dense walk
     return {"pairs": diff.numel(), "equal": int((diff == 0).sum()), "off_by_one": int((diff.abs() == 1).sum()),
             "max_abs_diff": int(diff.abs().max()),
             "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))},
-            "plan_num_splits": plan_splits, "plan_follow_step": follow_step,
+            "plan_num_splits": plan.num_splits, "plan_follow_step": plan.follow_step,
             "plan_equal": int((taken.long().cpu() == kept).sum()), "plan_stopped": int((taken < blocks).sum()),
             "stopped": int((walks < blocks).sum())}
 
@@ -285,19 +285,6 @@ def loaded_fraction(steps: torch.Tensor, seqlen: int, splits: slice = slice(None
     program loads exactly the blocks of the steps it visited) over all blocks of full-length sequences
     (block size ``ART_BLOCK_SIZE``)."""
     return float(steps[..., splits].sum()) / (steps.shape[0] * steps.shape[1] * math.ceil(seqlen / ART_BLOCK_SIZE))
-
-
-def dense_walk_plan(steps: torch.Tensor, seqlen: int) -> dict:
-    """The plan a dense ``art_decode`` call took over full-length sequences of ``seqlen`` tokens, read back from its
-    ``steps [B, Hkv, splits]`` (each program's range, in blocks, which together cover the walk):
-    ``{"num_splits", "block_size"}``, the block size being the one of ``BLOCK_SIZES`` whose walk has that many
-    blocks."""
-    walk = int(steps[0, 0].sum())
-    sizes = [size for size in BLOCK_SIZES if math.ceil(seqlen / size) == walk]
-    if len(sizes) != 1:
-        raise ValueError(f"a dense walk of {walk} blocks over {seqlen} tokens fits {len(sizes)} of the block sizes "
-                         f"{BLOCK_SIZES}, not one")
-    return {"num_splits": steps.shape[-1], "block_size": sizes[0]}
 
 
 def lone_walk_latency(make_qkv: Callable[[int], tuple], rep_ms: int, rounds: int = ROUNDS) -> dict:
@@ -346,7 +333,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     kv_heads, seqlen = k.shape[1], k.shape[2]
     nbytes = kv_bytes(k)
     base = dict(data=data, batch=batch, seqlen=seqlen, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
-    _, dense_steps = art_decode(q, k, v, return_stats=True)
+    dense = plan_decode(q, k, v)
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     splits = choose_num_splits(batch, kv_heads, blocks, q.device, block_size=ART_BLOCK_SIZE)
     _, single_steps = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
@@ -362,31 +349,28 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
     calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
                                                   block_size=ART_BLOCK_SIZE, num_splits=1)
-    extras = {"art_dense": dense_walk_plan(dense_steps, seqlen),
+    never_default = plan_decode(q, k, v, art=NEVER)
+    extras = {"art_dense": dict(num_splits=dense.num_splits, block_size=dense.block_size),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
               "art_never": dict(num_splits=splits, block_size=ART_BLOCK_SIZE,
-                                monitor_runs=leader_can_stop(blocks, splits, NEVER)),
-              "art_never_default": dict(zip(("num_splits", "follow_step"), choose_split_plan(
-                  batch, kv_heads, blocks, q.device, NEVER, ART_BLOCK_SIZE, head_dim))),
+                                monitor_runs=plan_decode(q, k, v, art=NEVER, num_splits=splits).art is not None),
+              "art_never_default": dict(num_splits=never_default.num_splits, follow_step=never_default.follow_step),
               "art_walks_dense": dict(num_splits=1, block_size=ART_BLOCK_SIZE,
                                       loaded_fraction=loaded_fraction(single_steps, seqlen))}
     walks = {}
     single_stopped = stopped_share(single_steps[..., 0], blocks)
     for impl, hint in (("art", None), ("art_calibrated", pair_walks)):
+        plan = plan_decode(q, k, v, art=art, pair_walks=hint)
         _, steps, taken = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True, return_result_steps=True)
         walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        planned_splits, follow_step = default_split_plan(q, k, art, None if hint is None else longest)
-        pair_plan = None if hint is None else bench_pair_plan(q, k, art, hint)
-        # per-pair splits leave the pairs below the threshold a whole walk, where the monitor can stop (art_decode)
-        extras[impl] = dict(num_splits=steps.shape[-1], follow_step=follow_step,
-                            loaded_fraction=loaded_fraction(steps, seqlen),
-                            monitor_runs=leader_can_stop(blocks, 1 if pair_plan else planned_splits, art, follow_step),
+        extras[impl] = dict(num_splits=plan.num_splits, follow_step=plan.follow_step,
+                            loaded_fraction=loaded_fraction(steps, seqlen), monitor_runs=plan.art is not None,
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()),
                             stopped_pairs=stopped_share(taken, blocks), single_stopped_pairs=single_stopped)
-        if pair_plan is not None:
-            extras[impl].update(pair_split_threshold=pair_plan[1],
-                                pair_split_walks=sum(w > pair_plan[1] for w in hint.sorted_walks))
+        if plan.per_pair_splits:
+            extras[impl].update(pair_split_threshold=plan.pair_threshold,
+                                pair_split_walks=sum(w > plan.pair_threshold for w in hint.sorted_walks))
     extras["art_calibrated"]["longest_stop_steps"] = longest
     results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS)
     rows = []
@@ -437,23 +421,6 @@ def _upper_median(values) -> float | None:
 def time_bound_ms(loaded_fraction: float, dense_ms: float) -> float:
     """The issue's bound on an ART call's time: ``1.15 * loaded_fraction * dense_ms + 10 us``."""
     return 1.15 * loaded_fraction * dense_ms + 0.010
-
-
-def default_split_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams,
-                       longest_stop_steps: int | None) -> tuple[int, int]:
-    """The ``(num_splits, follow_step)`` of the monitored walk that ``art_decode(q, k, v, art=art,
-    longest_stop_steps=...)`` plans by default (``kernels.split_plan.choose_split_plan``) on a contiguous cache
-    ``k [B, Hkv, S, D]`` of uniform lengths (where its leader cannot stop, the call runs the dense plan's walk)."""
-    return choose_split_plan(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
-                             ART_BLOCK_SIZE, k.shape[-1], longest_stop_steps)
-
-
-def bench_pair_plan(q: torch.Tensor, k: torch.Tensor, art: ARTParams, pair_walks: PairWalks) -> tuple[int, int] | None:
-    """The per-pair splits ``(num_splits, threshold)`` that ``art_decode(q, k, v, art=art, pair_walks=pair_walks)``
-    takes (``kernels.split_plan.choose_pair_splits``) on a contiguous cache ``k [B, Hkv, S, D]`` of uniform lengths,
-    or ``None``."""
-    return choose_pair_splits(q.shape[0], k.shape[1], math.ceil(k.shape[2] / ART_BLOCK_SIZE), q.device, art,
-                              ART_BLOCK_SIZE, k.shape[-1], pair_walks)
 
 
 def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element_size: int,

@@ -40,10 +40,9 @@ from pathlib import Path
 import torch
 import triton
 
-from .art_decode import ART_BLOCK_SIZE, art_decode
+from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
-from .bench import (ROUNDS, bench_pair_plan, decode_query_shape, default_split_plan, loaded_fraction, stopped_share,
-                    tiled_capture, time_interleaved)
+from .bench import ROUNDS, decode_query_shape, loaded_fraction, stopped_share, tiled_capture, time_interleaved
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
 from .split_plan import hint_plan, on_demand_plan
@@ -83,22 +82,17 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
         for impl in IMPLS:
             row = {"step": step, "impl": impl, **timings[impl]}
             if impl in plans:
-                plan = plans[impl]
-                _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True, **plan,
-                                             walk_hint=hint if impl == "art_previous_step" else None)
-                told = hinted if impl == "art_previous_step" else plan.get("pair_walks")
-                hint_on_demand = "release_walks" in plan
-                pair_plan = None if "pair_walks" not in plan else bench_pair_plan(q, k, art, plan["pair_walks"])
-                longest = None if told is None else told.sorted_walks[-1]
-                row.update(longest_stop_steps=longest, pair_walks=None if told is None else told.walks.tolist(),
-                           num_splits=steps.shape[-1], on_demand=hint_on_demand,
-                           follow_step=(on_demand["follow_step"] if hint_on_demand
-                                        else default_split_plan(q, k, art, longest)[1]),
-                           pair_split_threshold=None if pair_plan is None else pair_plan[1],
-                           loaded_fraction=loaded_fraction(steps, seqlen), stopped_pairs=stopped_share(taken, blocks),
-                           single_stopped_pairs=single_stopped)
-                if hint_on_demand:
-                    row.update(release_walks=plan["release_walks"])
+                keywords = dict(plans[impl], walk_hint=hint if impl == "art_previous_step" else None)
+                plan = plan_decode(q, k, v, art=art, **keywords)       # before the call records into the hint
+                _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True, **keywords)
+                told = hinted if impl == "art_previous_step" else plan.pair_walks
+                row.update(longest_stop_steps=None if told is None else told.sorted_walks[-1],
+                           pair_walks=None if told is None else told.walks.tolist(), num_splits=plan.num_splits,
+                           on_demand=plan.on_demand, follow_step=plan.follow_step,
+                           pair_split_threshold=plan.pair_threshold, loaded_fraction=loaded_fraction(steps, seqlen),
+                           stopped_pairs=stopped_share(taken, blocks), single_stopped_pairs=single_stopped)
+                if plan.on_demand:
+                    row.update(release_walks=plan.release_walks)
             elif impl == "art_on_demand":
                 _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True,
                                              **on_demand)

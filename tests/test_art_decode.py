@@ -349,6 +349,53 @@ def test_the_longest_walk_hint_sets_the_default_split_plan(fake_sms, record_deco
                      ((2, 96), False, 0), ((96, 2), True, 20)]
 
 
+def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_decode_launches):
+    """For dense and monitored calls of every plan (the launcher's or given, deferred, on-demand, per-pair, a leader
+    that cannot stop), ``plan_decode`` with the same arguments gives the launch's block size, split count and grid,
+    follow step, monitor, and followers' scheme, without launching anything itself."""
+    from kernels.art_decode import plan_decode
+    from kernels.pair_walks import PairWalks
+
+    q = torch.zeros(4, 8, 64, dtype=torch.float16)
+    k = v = torch.zeros(4, 2, 1536, 64, dtype=torch.float16)                          # 24 blocks of 64 tokens
+    quick = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()                  # can stop from step 4
+    lopsided = torch.tensor([[3, 3], [3, 3], [3, 3], [3, 24]], dtype=torch.int32)
+    cases = [(132, {}), (132, dict(block_size=64, num_splits=3)),
+             (132, dict(art=ARTConfig().kernel_params())),                              # earliest stop 17 of 24
+             (132, dict(art=quick)), (132, dict(art=quick, num_splits=3, follow_step=8)),
+             (132, dict(art=quick, num_splits=4, release_walks=2)),
+             (2, dict(art=quick, pair_walks=PairWalks.from_walks(lopsided))),            # the pairs fill 2 SMs
+             (132, dict(art=quick, cache_seqlens=torch.tensor([1536, 700, 64, 1000]), order="sequential"))]
+    launches = record_decode_launches()
+    follow, limit = (launches.kernel.arg_names.index(name) for name in ("follow_step", "pair_limit"))
+    seen = []
+    for sms, keywords in cases:
+        fake_sms(sms)
+        plan = plan_decode(q, k, v, **keywords)
+        assert not launches.calls, "plan_decode must not launch"
+        art_decode(q, k, v, **keywords)
+        call = launches.calls.pop()
+        assert call.kwargs["BLOCK_N"] == plan.block_size and plan.num_splits in call.grid
+        assert call.grid[0] * call.grid[1] == 8 * plan.num_splits
+        assert call.args[follow] == plan.follow_step
+        assert call.kwargs["ART"] == (plan.art is not None) and plan.monitored == ("art" in keywords)
+        assert (call.kwargs["DEFERRED"], call.kwargs["ON_DEMAND"], call.kwargs["PAIR_GATES"],
+                call.kwargs["LONGEST_FIRST"]) == (plan.deferred, plan.on_demand, plan.per_pair_splits,
+                                                  plan.longest_first)
+        if plan.on_demand:
+            assert call.args[limit] == plan.release_walks
+        if plan.per_pair_splits:
+            assert call.args[limit] == plan.pair_threshold
+        assert call.kwargs["RAGGED"] == (plan.seqlens is not None) and plan.max_steps == -(-plan.max_len // 64)
+        seen.append((plan.block_size, plan.num_splits, plan.follow_step, plan.art is not None, plan.dense_plan,
+                     plan.deferred, plan.on_demand, plan.per_pair_splits))
+    assert seen[0][:2] == (64, 6) and seen[0][4], "the dense plan: 64-token blocks at D = 64, 4 blocks per split"
+    assert seen[1] == (64, 3, 0, False, False, False, False, False)
+    assert seen[2] == seen[0], "a leader that cannot reach step 17: the dense plan's walk"
+    assert seen[4][5] and seen[5][6] and seen[6][7], "deferred, on-demand and per-pair plans"
+    assert seen[7][3], "the ragged call keeps its monitor"
+
+
 def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk_that_does_not():
     """The interpreter runs every leader before any follower, so a follower finds its leader converged (it walks
     nothing: the result is the single walk's bit for bit) or released without stopping (it walks its range: the

@@ -221,18 +221,6 @@ def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
         bench.lone_walk_latency(lambda seqlen: (torch.empty(2, 4, 64),) * 3, rep_ms=1)
 
 
-@pytest.mark.parametrize("seqlen, splits, block_size", [(256, 3, 32), (1000, 2, 128), (1000, 5, 16)])
-def test_the_dense_plan_is_read_back_from_the_calls_steps(seqlen, splits, block_size):
-    from art_analysis.synthetic import synthetic_cache
-    from kernels.bench import art_decode, dense_walk_plan
-
-    cache = synthetic_cache(batch=1, num_q_heads=4, num_kv_heads=2, seqlen=seqlen, head_dim=64, dtype=torch.float16)
-    _, steps = art_decode(cache.q, cache.k, cache.v, num_splits=splits, block_size=block_size, return_stats=True)
-    assert dense_walk_plan(steps, seqlen) == {"num_splits": splits, "block_size": block_size}
-    with pytest.raises(ValueError, match="fits 0 of the block sizes"):
-        dense_walk_plan(steps, seqlen + 4096)
-
-
 def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     import itertools
 
