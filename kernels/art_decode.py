@@ -394,7 +394,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -436,8 +436,8 @@ class DecodePlan:
         paged: whether the cache is paged (``block_table`` given).
         order: the traversal order, ``"sequential"`` or ``"sink_recency"``.
         sm_scale: the softmax scale.
-        seqlens: ``[B]`` int32/int64 lengths on the call's device, or ``None`` where every sequence runs to the
-            capacity.
+        seqlens: ``[B]`` int32 lengths on the call's device where they differ (and inside a CUDA-graph capture),
+            ``None`` where every sequence has ``max_len`` tokens.
         max_len: the longest sequence in tokens (the capacity inside a CUDA-graph capture).
         max_steps: blocks of the longest walk, ``ceil(max_len / block_size)``.
         block_size: tokens per block (the monitor's step).
@@ -453,6 +453,8 @@ class DecodePlan:
             a leader releases its followers, and the step from which it releases them whatever the count (``None``:
             never); both ``None`` without on-demand followers.
         dense_plan: whether a dense walk's block size and split count are the launcher's own.
+
+    Two plans compare equal when they walk alike: the lengths and the told walks (tensors) are not compared.
     """
 
     batch: int
@@ -462,7 +464,7 @@ class DecodePlan:
     paged: bool
     order: str
     sm_scale: float
-    seqlens: torch.Tensor | None
+    seqlens: torch.Tensor | None = field(compare=False)
     max_len: int
     max_steps: int
     block_size: int
@@ -470,7 +472,7 @@ class DecodePlan:
     follow_step: int
     art: ARTParams | None
     monitored: bool
-    pair_walks: PairWalks | None
+    pair_walks: PairWalks | None = field(compare=False)
     pair_threshold: int | None
     release_walks: int | None
     release_step: int | None
