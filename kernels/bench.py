@@ -16,8 +16,8 @@ measures:
   ``kernels.split_plan.leader_can_stop``), never-terminating at the default split plan (``art_never_default``:
   what a call costs when no walk stops, deferred followers included; summarised over dense as
   ``never_default_over_dense_*``), and with the given ART thresholds at the default split count
-  (``num_splits`` and ``follow_step`` of ``kernels.split_plan.choose_split_plan``: followers deferred until the
-  leader has walked that many blocks, or 0),
+  (``num_splits`` and ``follow_step`` of the call's plan, ``kernels.art_decode.plan_decode``, as every row's plan:
+  followers deferred until the leader has walked that many blocks, or 0),
   and again told each walk (``art_calibrated``: ``pair_walks`` from the stats of one earlier single-split call
   on the same inputs, so the split rule takes their longest as ``longest_stop_steps``, and where it then takes one
   split the walks expected to run long take every split of ``kernels.split_plan.choose_pair_plan``:

@@ -56,12 +56,12 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 device: torch.device, rounds: int = ROUNDS) -> list[dict]:
     """One row per (decode step, implementation) of the captured layer at ``path`` tiled to ``seqlen`` tokens for
     ``batch`` rows: ``step``, ``impl``, the timing of :func:`kernels.bench.time_interleaved` (``ms``, ...),
-    ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits), ``loaded_fraction`` and
-    ``stopped_pairs`` next to ``single_stopped_pairs`` (:func:`kernels.bench.stopped_share` of the call's result
-    steps and of the single walks) (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its
-    hint held, as lists, or None) with
-    their longest, ``longest_stop_steps``, and ``on_demand`` (whether the hint's plan took on-demand followers, then
-    with their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks``,
+    ``num_splits``, ``follow_step``, ``pair_split_threshold`` (None without per-pair splits) of the call's plan
+    (:func:`kernels.art_decode.plan_decode`), ``loaded_fraction`` and ``stopped_pairs`` next to
+    ``single_stopped_pairs`` (:func:`kernels.bench.stopped_share` of the call's result steps and of the single walks)
+    (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
+    their longest, ``longest_stop_steps``, and ``on_demand`` (whether the plan took on-demand followers, then with
+    their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks``,
     ``loaded_fraction`` and the stopped shares."""
     hint = LongestWalkHint()
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
