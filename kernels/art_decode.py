@@ -454,7 +454,8 @@ class DecodePlan:
             never); both ``None`` without on-demand followers.
         dense_plan: whether a dense walk's block size and split count are the launcher's own.
 
-    Two plans compare equal when they walk alike: the lengths and the told walks (tensors) are not compared.
+    Two plans compare equal when they walk alike: the lengths and the told walks (tensors) are neither compared
+    nor printed.
     """
 
     batch: int
@@ -464,7 +465,7 @@ class DecodePlan:
     paged: bool
     order: str
     sm_scale: float
-    seqlens: torch.Tensor | None = field(compare=False)
+    seqlens: torch.Tensor | None = field(compare=False, repr=False)
     max_len: int
     max_steps: int
     block_size: int
@@ -472,7 +473,7 @@ class DecodePlan:
     follow_step: int
     art: ARTParams | None
     monitored: bool
-    pair_walks: PairWalks | None = field(compare=False)
+    pair_walks: PairWalks | None = field(compare=False, repr=False)
     pair_threshold: int | None
     release_walks: int | None
     release_step: int | None

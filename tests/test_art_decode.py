@@ -374,6 +374,7 @@ def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_d
         plan = plan_decode(q, k, v, **keywords)
         assert not launches.calls, "plan_decode must not launch"
         assert plan_decode(q, k, v, **keywords) == plan, "plans of one call compare equal (tensors left out)"
+        assert "tensor" not in repr(plan)
         art_decode(q, k, v, **keywords)
         call = launches.calls.pop()
         assert call.kwargs["BLOCK_N"] == plan.block_size and plan.num_splits in call.grid
