@@ -407,7 +407,7 @@ from .int_checks import check_count
 from .pair_walks import PairWalks
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
                          dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
-                         on_demand_plan)
+                         on_demand_plan, planned_result_steps)
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -498,6 +498,38 @@ class DecodePlan:
     def longest_first(self) -> bool:
         """Whether the programs take the pairs longest expected walk first (module docstring, *launch order*)."""
         return self.pair_walks is not None and self.art is not None
+
+    @property
+    def walk_blocks(self) -> int | torch.Tensor:
+        """Blocks of each sequence's whole walk, ``ceil(len / block_size)``: ``max_steps``, or ``[B, 1]`` int32 on
+        the call's device where the lengths differ."""
+        if self.seqlens is None:
+            return self.max_steps
+        return ((self.seqlens + self.block_size - 1) // self.block_size)[:, None]
+
+    def result_steps(self, walks: torch.Tensor) -> torch.Tensor:
+        """The ``result_steps [B, Hkv]`` (``art_decode``'s ``return_result_steps``) this plan gives pairs whose single
+        walks (one split, the simulator's ``stop_step + 1``) are ``walks [B, Hkv]`` (int, blocks): under a monitor,
+        :func:`kernels.split_plan.planned_result_steps`; where the call runs the dense walk (no monitor, or a leader
+        that cannot stop), every pair's whole walk.  Returned on ``walks``' device.
+
+        Raises ``ValueError`` for per-pair splits and on-demand followers, whose leaders may walk past their range
+        (the result then depends on when followers were released, not on the single walks alone)."""
+        if not isinstance(walks, torch.Tensor) or walks.dtype.is_floating_point or walks.is_complex():
+            raise TypeError(f"walks must be an integer torch.Tensor [B, Hkv], got {walks!r:.80}")
+        if tuple(walks.shape) != (self.batch, self.kv_heads):
+            raise ValueError(f"walks must have shape [B, Hkv]=[{self.batch}, {self.kv_heads}], "
+                             f"got {tuple(walks.shape)}")
+        if self.per_pair_splits or self.on_demand:
+            raise ValueError("the result steps of per-pair splits or on-demand followers depend on the call's "
+                             "schedule, not on the single walks alone")
+        blocks = self.walk_blocks
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.to(device=walks.device, dtype=walks.dtype)
+        if self.art is None:
+            return torch.broadcast_to(torch.as_tensor(blocks, dtype=walks.dtype, device=walks.device),
+                                      walks.shape).clone()
+        return planned_result_steps(walks, blocks, self.num_splits, self.follow_step)
 
 
 def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -777,8 +809,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
-        walk = max_steps if seqlens is None else ((seqlens + block_size - 1) // block_size)[:, None]
-        results += (torch.where(kept == 1, steps[..., 0], walk),)
+        results += (torch.where(kept == 1, steps[..., 0], plan.walk_blocks),)
     return results[0] if len(results) == 1 else results
 
 

@@ -103,7 +103,7 @@ from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
 from .results_io import input_file_record, write_json_atomic
-from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits, planned_result_steps
+from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -242,12 +242,11 @@ def stop_agreement(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, art: ARTPa
         raise ValueError(f"replay must return [B, Hkv] = {tuple(steps.shape[:2])}, got {tuple(expected.shape)}")
     diff = (steps[..., 0].long().cpu() - expected.long().cpu()).flatten()
     unequal = diff[diff != 0].tolist()
-    blocks = math.ceil(k.shape[2] / ART_BLOCK_SIZE)
     plan = plan_decode(q, k, v, art=art)
+    blocks = plan.walk_blocks
     _, _, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True)
     walks = expected.long().cpu()
-    kept = (planned_result_steps(walks, blocks, plan.num_splits, plan.follow_step) if plan.art is not None
-            else torch.full_like(walks, blocks))      # a leader that cannot stop: the dense walk
+    kept = plan.result_steps(walks)
     return {"pairs": diff.numel(), "equal": int((diff == 0).sum()), "off_by_one": int((diff.abs() == 1).sum()),
             "max_abs_diff": int(diff.abs().max()),
             "differences": {str(d): unequal.count(d) for d in sorted(set(unequal))},

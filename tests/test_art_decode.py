@@ -22,7 +22,7 @@ from kernels import art_decode_kernel
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
-from kernels.art_decode import art_decode
+from kernels.art_decode import art_decode, plan_decode
 from kernels.paged_cache import to_paged
 
 CPU = torch.device("cpu")
@@ -223,6 +223,10 @@ def test_planned_result_steps_are_the_result_steps_of_ragged_walks(splits, follo
     blocks = torch.tensor([[24], [16], [11], [1]])
     planned = split_plan_module.planned_result_steps(expected, blocks, splits, follow_step)
     assert torch.equal(taken.long(), planned)
+    plan = plan_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), num_splits=splits,
+                       follow_step=follow_step)
+    assert torch.equal(plan.walk_blocks.long(), blocks)
+    assert torch.equal(plan.result_steps(expected), planned), "the plan's result steps are the function's"
     ranges = split_plan_module.leader_range(blocks, splits, follow_step)
     assert ((expected <= ranges) & (expected < blocks)).any() and (expected > ranges).any(), \
         "the case must cover leaders that stop in their range and walks that pass it"
@@ -353,7 +357,6 @@ def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_d
     """For dense and monitored calls of every plan (the launcher's or given, deferred, on-demand, per-pair, a leader
     that cannot stop), ``plan_decode`` with the same arguments gives the launch's block size, split count and grid,
     follow step, monitor, and followers' scheme, without launching anything itself."""
-    from kernels.art_decode import plan_decode
     from kernels.pair_walks import PairWalks
 
     q = torch.zeros(4, 8, 64, dtype=torch.float16)
@@ -396,6 +399,40 @@ def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_d
     assert seen[2] == seen[0], "a leader that cannot reach step 17: the dense plan's walk"
     assert seen[4][5] and seen[5][6] and seen[6][7], "deferred, on-demand and per-pair plans"
     assert seen[7][3], "the ragged call keeps its monitor"
+
+
+def test_plan_result_steps_of_a_leader_that_cannot_stop_and_of_schedule_dependent_plans(fake_sms):
+    """A monitored call whose leader cannot reach the earliest stop runs the dense walk: its plan's result steps are
+    every pair's whole walk, as the kernel records them.  Per-pair splits and on-demand followers have no result
+    steps that the single walks fix, so the plan refuses them; walks of the wrong shape or dtype are refused."""
+    from kernels.pair_walks import PairWalks
+
+    fake_sms(132)
+    q, k, v = synthetic_inputs(4, 8, 2, 1536, 64, torch.float16, CPU, seed=3)      # 24 blocks, 6 splits of 4
+    config = ARTConfig(tau=3e-3, phi=3e-4, patience=6)                              # earliest stop 7: 4 blocks short
+    walks, _ = simulator_stop(q, k, v, None, config, "sink_recency")
+    plan = plan_decode(q, k, v, art=config.kernel_params())
+    assert plan.monitored and plan.art is None and plan.walk_blocks == 24
+    _, taken = art_decode(q, k, v, art=config.kernel_params(), return_result_steps=True)
+    assert (walks < 24).any(), "the single walks must stop where the plan's dense walk does not"
+    assert torch.equal(plan.result_steps(walks), torch.full_like(walks, 24))
+    assert torch.equal(plan.result_steps(walks), taken.long())
+    fake_sms(2)
+    dense = plan_decode(q, k, v, block_size=64)
+    assert not dense.monitored and dense.num_splits == 1, "8 pairs on 2 SMs: one split, whose range is the walk"
+    _, taken = art_decode(q, k, v, block_size=64, return_result_steps=True)
+    assert torch.equal(dense.result_steps(walks), taken.long())
+    assert torch.equal(taken.long(), torch.full_like(walks, 24)), "a dense call's output holds every block"
+    quick = ARTConfig(tau=1e-3, phi=1e-4, patience=3).kernel_params()
+    lopsided = PairWalks.from_walks(torch.tensor([[3, 3], [3, 3], [3, 3], [3, 24]], dtype=torch.int32))
+    for keywords in (dict(num_splits=4, release_walks=2), dict(pair_walks=lopsided)):
+        with pytest.raises(ValueError, match="per-pair splits or on-demand"):
+            plan_decode(q, k, v, art=quick, **keywords).result_steps(walks)
+    plan = plan_decode(q, k, v, art=quick)
+    with pytest.raises(ValueError, match=r"\[B, Hkv\]=\[4, 2\]"):
+        plan.result_steps(walks[:3])
+    with pytest.raises(TypeError, match="integer"):
+        plan.result_steps(walks.float())
 
 
 def test_deferred_followers_walk_nothing_when_the_leader_stops_and_finish_a_walk_that_does_not():
