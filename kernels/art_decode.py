@@ -257,12 +257,13 @@ the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 m
 0.0509 ms for the former two launches (cuDNN SDPA 0.0497 ms); unchanged at B >= 8.
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
-(``max(cache_seqlens)``, one device sync when lengths are given): enough programs for
-``TARGET_PROGRAMS_PER_SM`` per multiprocessor, at least ``MIN_STEPS_PER_SPLIT`` blocks per
-split, at most ``MAX_SPLITS``, rounded down so that the grid does not spill a few programs
-into a second wave (17 splits x 8 KV heads = 136 programs on 132 multiprocessors measured
-11 % slower than 16 splits) unless that leaves over a quarter of the multiprocessors idle
-(96 pairs: 2 splits, 15-28 % faster than 1); the block size is ``DENSE_BLOCK_SIZE`` (128) at ``D = 128``,
+(``max(cache_seqlens)``, one device sync when lengths are given), at least ``MIN_STEPS_PER_SPLIT`` blocks per
+split, at most ``MAX_SPLITS``.  At ``D = 128`` a 128-token program holds its multiprocessor alone, and the
+count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
+that spills a few programs into another wave pays that wave at a lone program's pace (17 splits x 8 KV heads =
+136 programs on 132 multiprocessors measured 11 % slower than 16 splits; 144 pairs 207 us in one split at 8k
+tokens, 156 in 8), while a grid of fewer programs than multiprocessors can beat two waves (96 pairs: 95 us in
+one split, 116 in 2; V68); the block size is ``DENSE_BLOCK_SIZE`` (128) at ``D = 128``,
 measured best or tied at every point of the benchmark's split sweep (on the paged layout, unless a page
 holds such blocks whole, 64: :func:`kernels.split_plan.dense_block_size`).  Blocks of at most
 ``TMA_MAX_BLOCK`` (64) tokens, the monitor's step, target ``SMALL_BLOCK_PROGRAMS_PER_SM`` (4)

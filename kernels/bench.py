@@ -28,6 +28,9 @@ measures:
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
   split counts and block sizes 64 / 128;
+* the dense default at batch sizes off the grid (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``,
+  where the programs fill the multiprocessors unevenly) against cuDNN and flash SDPA (:func:`bench_dense_batches`,
+  summarised by :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
   (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
@@ -77,7 +80,7 @@ difference), and the default plan's outputs on them with the blocks the simulato
 
 ``run(out_dir, quick, art=..., make_cache=..., capture=..., replay=...)`` writes
 ``<out_dir>/<date>-art-decode.json`` (device, versions, date, ceilings, the lone walks, the stop agreement,
-every row, the split study, the paged rows, summary).
+every row, the split study, the dense batches, the paged rows, summary).
 """
 from __future__ import annotations
 
@@ -118,6 +121,9 @@ PAGED_CASES = ((8, 32768), (32, 32768), (128, 8192))
 QUICK_PAGED_CASES = ((32, 8192),)
 PAGE_SIZES = (16, 64)
 LONE_WALK_LENGTHS = (8192, 32768)
+DENSE_BATCHES = (2, 3, 4, 6, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 34, 36, 40, 44, 48, 56)
+DENSE_BATCH_LENGTHS = (8192, 32768)
+QUICK_DENSE_BATCHES = (6, 18)
 ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -403,6 +409,60 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
                 row["time_bound_below_walks_dense"] = row["time_bound_ms"] < row["walks_dense_ms"]
     _speedups(rows)
     return rows
+
+
+def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device: torch.device,
+                        rounds: int = ROUNDS) -> list[dict]:
+    """The dense plan against cuDNN and flash SDPA at batch sizes off the main grid, where the programs fill the
+    multiprocessors unevenly: ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
+    random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa`` and
+    ``art_dense`` per shape (graph times in ``rounds`` interleaved rounds), the dense row with its plan's block
+    size and split count."""
+    rows = []
+    for seqlen in lengths:
+        for batch in tqdm(batches, desc=f"dense batches, S={seqlen}"):
+            rows += _dense_batch_rows(batch, seqlen, rep_ms, ceiling, device, rounds)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _dense_batch_rows(batch: int, seqlen: int, rep_ms: int, ceiling: float, device: torch.device,
+                      rounds: int) -> list[dict]:
+    """:func:`bench_dense_batches`' rows of one shape."""
+    generator = torch.Generator(device=device).manual_seed(batch)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(batch, KV_HEADS, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=generator)
+            for _ in range(2))
+    plan = plan_decode(q, k, v)
+    calls = {impl: fn for impl, fn in _peer_fns(q, k, v, flex=False).items() if impl in ("cudnn_sdpa", "flash_sdpa")}
+    calls["art_dense"] = lambda: art_decode(q, k, v)
+    rows = []
+    for impl, result in time_interleaved(calls, rep_ms, rounds, device).items():
+        row = dict(batch=batch, seqlen=seqlen, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, impl=impl,
+                   **result)
+        if impl == "art_dense":
+            row.update(block_size=plan.block_size, num_splits=plan.num_splits)
+        if "ms" in row:
+            row.update(throughput(kv_bytes(k), row["ms"], ceiling))
+        rows.append(row)
+    _speedups(rows)
+    return rows
+
+
+def dense_batches_summary(rows: list[dict]) -> dict:
+    """The dense rows of :func:`bench_dense_batches` over the best peer's throughput: min and median over every
+    shape and over ``B >= 16``, the shapes of ``B >= 16`` below ``dense_target`` (0.97), and the worst shape."""
+    dense = [r for r in rows if r["impl"] == "art_dense" and "speedup_vs_best_peer" in r]
+    ratios = [r["speedup_vs_best_peer"] for r in dense]
+    large = [r["speedup_vs_best_peer"] for r in dense if r["batch"] >= 16]
+    worst = min(dense, key=lambda r: r["speedup_vs_best_peer"], default=None)
+    return {"dense_batches_shapes": len(dense),
+            "dense_batches_over_best_peer_min": min(ratios, default=None),
+            "dense_batches_over_best_peer_median": _upper_median(ratios),
+            "dense_batches_b16plus_min": min(large, default=None),
+            "dense_batches_b16plus_below_target": sum(x < 0.97 for x in large),
+            "dense_batches_worst_shape": (dict(batch=worst["batch"], seqlen=worst["seqlen"],
+                                               num_splits=worst["num_splits"]) if worst else None)}
 
 
 def stopped_share(result_steps: torch.Tensor, blocks: int) -> float:
@@ -754,15 +814,21 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         del q, k, v
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
+    dense_batches = bench_dense_batches(QUICK_DENSE_BATCHES if quick else DENSE_BATCHES,
+                                        QUICK_LENGTHS[:1] if quick else DENSE_BATCH_LENGTHS, rep_ms=rep_ms,
+                                        ceiling=ceiling, device=device)
+    write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "dense_batches": dense_batches,
+                             "complete": False})
     paged = []
     for batch, seqlen in tqdm(QUICK_PAGED_CASES if quick else PAGED_CASES, desc="paged layout"):
         q, k, v = tile_batch(structured_sequences(make_cache, seqlen, device), batch)
         paged += bench_paged(q, k, v, art=art, rep_ms=rep_ms, ceiling=ceiling)
         del q, k, v
         torch.cuda.empty_cache()
-        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "paged": paged, "complete": False})
-    payload.update(rows=rows, split_study=study, paged=paged, complete=True,
+        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "dense_batches": dense_batches,
+                                 "paged": paged, "complete": False})
+    payload.update(rows=rows, split_study=study, dense_batches=dense_batches, paged=paged, complete=True,
                    summary={**summarise(rows, ceiling, payload["lone_walk"], payload.get("stop_agreement")),
-                            **paged_summary(paged)})
+                            **dense_batches_summary(dense_batches), **paged_summary(paged)})
     write_json_atomic(path, payload)
     return payload

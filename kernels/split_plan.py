@@ -33,7 +33,9 @@ DENSE_BLOCK_SIZE = 128
 PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
 SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
 SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
-TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens
+TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens at D = 64 (two fit a multiprocessor)
+PROGRAM_START_BLOCKS = 0.75      # ... at D = 128 (one fits, V68): a program's start and end, in blocks of its walk,
+LONE_WAVE_PACE = 0.70            # ... and a wave's time per block, of a full wave's, however few programs it holds
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
 DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)
 TMA_MAX_BLOCK = 64
@@ -100,13 +102,21 @@ def two_pairs_per_sm(pairs: int, device: torch.device) -> bool:
 def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.device,
                       block_size: int = DENSE_BLOCK_SIZE, head_dim: int | None = None) -> int:
     """Programs per ``(b, kv_head)`` for a walk of at most ``max_steps`` blocks, dense or ART (``kernels.art_decode``'s
-    docstring): one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (for blocks of at most
-    ``TMA_MAX_BLOCK`` tokens ``SMALL_BLOCK_PROGRAMS_PER_SM``, or walked without the monitor, ``head_dim`` given,
-    ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]``), rounded down unless that leaves more than a quarter of the
-    multiprocessors idle; at least ``MIN_STEPS_PER_SPLIT`` blocks per split.  An ART call's followers wait for
-    the follow step (:func:`choose_follow_step`) before they walk."""
+    docstring), at least ``MIN_STEPS_PER_SPLIT`` blocks per split and at most ``MAX_SPLITS``.
+
+    * Blocks of more than ``TMA_MAX_BLOCK`` tokens (the dense walk's 128) at ``D = 128`` (``head_dim`` 128 or
+      None), one program per multiprocessor: :func:`wave_balanced_splits` of the multiprocessors.
+    * Otherwise one wave of ``TARGET_PROGRAMS_PER_SM`` programs per multiprocessor (128-token blocks at ``D = 64``),
+      ``SMALL_BLOCK_PROGRAMS_PER_SM`` (shorter blocks) or, walked without the monitor (``head_dim`` given),
+      ``DENSE_SMALL_BLOCK_PROGRAMS_PER_SM[head_dim]``; rounded down unless that leaves more than a quarter of the
+      multiprocessors idle.
+
+    An ART call's followers wait for the follow step (:func:`choose_follow_step`) before they walk."""
     programs = batch * kv_heads
     sms = _num_sms(device)
+    most = max(1, min(max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    if block_size > TMA_MAX_BLOCK and head_dim in (None, 128):
+        return wave_balanced_splits(programs, max_steps, sms, most)
     if block_size > TMA_MAX_BLOCK:
         per_sm = TARGET_PROGRAMS_PER_SM
     else:
@@ -114,7 +124,26 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     wanted = per_sm * sms // programs
     if wanted * programs < WAVE_FILL * sms:
         wanted += 1
-    return max(1, min(wanted, max_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(wanted, most))
+
+
+def wave_balanced_splits(pairs: int, max_steps: int, sms: int, most: int) -> int:
+    """The split count (1 to ``most``; the fewest on a tie) whose programs end soonest where each of ``sms``
+    multiprocessors holds one program at a time: ``pairs`` walks of ``max_steps`` blocks in ``s`` splits run
+    ``pairs * s / sms`` waves of ``ceil(max_steps / s) + PROGRAM_START_BLOCKS`` blocks each, a full wave at the
+    bandwidth's pace and a last wave of ``r`` programs at ``max(LONE_WAVE_PACE, r / sms)`` of it: fewer programs
+    share the bandwidth, but a lone 128-token program's walk is bound by its latency.
+
+    The three constants were fitted to 252 dense timings on the H200 (``D = 128``, 48-448 pairs, 8k-128k tokens,
+    1-16 splits; ``benchmarks/NOTES-art-decode.md``, V68), which the model gives within 2.9 % (root mean square);
+    one split of 144 pairs runs a wave and 12 programs at the lone pace (207 us at 8k), 8 splits nine waves of an
+    eighth of the walk (156 us), while 96 pairs walk fastest in one split (95 us; 2 splits 116 us)."""
+    def waves_of_blocks(splits: int) -> float:
+        full, rest = divmod(pairs * splits, sms)
+        waves = full + (max(LONE_WAVE_PACE, rest / sms) if rest else 0.0)
+        return waves * (-(-max_steps // splits) + PROGRAM_START_BLOCKS)
+
+    return min(range(1, most + 1), key=lambda splits: (waves_of_blocks(splits), splits))
 
 
 def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,

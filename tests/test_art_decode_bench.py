@@ -17,10 +17,14 @@ def test_kv_bytes_counts_k_and_v_once():
 
 def test_split_heuristics_fill_one_wave(fake_sms):
     fake_sms(132)
+    # 128-token blocks at D = 128 (one program per SM): the split count whose waves end soonest (V68)
     assert choose_num_splits(1, 8, 512, None) == 16                 # 128 programs, not 136
-    assert choose_num_splits(32, 3, 512, None) == 2                 # 96 programs would idle 27 % of the SMs
+    assert choose_num_splits(32, 3, 512, None) == 1                 # 96 programs walk at the lone pace: one wave
     assert choose_num_splits(32, 8, 512, None) == 1
     assert choose_num_splits(1, 8, 8, None) == 2                    # at least MIN_STEPS_PER_SPLIT blocks each
+    assert choose_num_splits(18, 8, 64, None) == 8                  # 144 pairs: 9 waves of an eighth, not 2 of all
+    assert choose_num_splits(32, 8, 1024, None) == 1
+    assert choose_num_splits(26, 8, 256, None, block_size=128, head_dim=64) == 1   # D = 64: one wave of pairs
     # blocks of at most 64 tokens: four programs per multiprocessor, one more split only where SMs would idle
     assert choose_num_splits(1, 8, 512, None, block_size=64) == 66
     assert choose_num_splits(8, 8, 2048, None, block_size=64) == 8
@@ -32,6 +36,61 @@ def test_split_heuristics_fill_one_wave(fake_sms):
     assert choose_num_splits(1, 3, 128, None, block_size=64, head_dim=64) == 32     # 4 blocks each at least
     assert choose_num_splits(1, 8, 512, None, block_size=64, head_dim=128) == 33
     assert choose_num_splits(8, 8, 512, None, block_size=128, head_dim=128) == 2    # 128-token blocks: as before
+
+
+def test_wave_balanced_splits_round_the_programs_up_to_whole_waves():
+    from kernels.split_plan import LONE_WAVE_PACE, PROGRAM_START_BLOCKS, wave_balanced_splits
+
+    def waves_of_blocks(pairs, blocks, sms, splits):
+        full, rest = divmod(pairs * splits, sms)
+        return (full + (max(LONE_WAVE_PACE, rest / sms) if rest else 0)) * (-(-blocks // splits) + PROGRAM_START_BLOCKS)
+
+    # the H200's measured best or within 2 % of it (V68; 128-token blocks, D = 128, 8k tokens = 64 blocks)
+    assert wave_balanced_splits(128, 64, 132, 16) == 1              # one wave of whole walks
+    assert wave_balanced_splits(96, 64, 132, 16) == 1               # 94.8 us; 2 splits (192 programs) 116.0
+    assert wave_balanced_splits(144, 64, 132, 16) == 8              # 155.8 us; 1 split (a wave and 12) 207.1
+    assert wave_balanced_splits(48, 64, 132, 16) == 2               # 56.4 us; 3 splits (144 programs) 80.2
+    assert wave_balanced_splits(8, 256, 132, 64) == 16              # 128 programs, where 17 splits spill 8
+    assert wave_balanced_splits(144, 64, 132, 1) == 1               # at most `most`
+    for pairs in range(1, 300, 7):                                  # the least cost, and the fewest splits at it
+        chosen = wave_balanced_splits(pairs, 256, 132, 64)
+        costs = [waves_of_blocks(pairs, 256, 132, s) for s in range(1, 65)]
+        assert costs[chosen - 1] == min(costs) and min(costs) < min(costs[:chosen - 1], default=float("inf"))
+    # a last wave of few programs walks at the lone pace, not in proportion to its programs
+    assert waves_of_blocks(12, 64, 132, 1) == LONE_WAVE_PACE * (64 + PROGRAM_START_BLOCKS)
+
+
+def test_dense_batch_rows_time_the_dense_plan_against_the_peers(monkeypatch, fake_sms):
+    import itertools
+
+    import kernels.bench as bench
+
+    fake_sms(132)
+    clock = itertools.count(1)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms, flush="read": float(next(clock)))
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_peer_fns", lambda q, k, v, flex: {
+        "cudnn_sdpa": lambda: None, "flash_sdpa": "no kernel for this shape", "flex_attention": lambda: None})
+    rows = bench.bench_dense_batches((2, 18), (512,), rep_ms=1, ceiling=4.0, device=torch.device("cpu"), rounds=1)
+    assert [(r["batch"], r["impl"]) for r in rows] == [(2, "cudnn_sdpa"), (2, "flash_sdpa"), (2, "art_dense"),
+                                                       (18, "cudnn_sdpa"), (18, "flash_sdpa"), (18, "art_dense")]
+    dense = {r["batch"]: r for r in rows if r["impl"] == "art_dense"}
+    q = torch.zeros(18, 32, 128)
+    k = torch.zeros(18, 8, 512, 128)
+    plan = art_decode_module.plan_decode(q, k, k)
+    assert (dense[18]["block_size"], dense[18]["num_splits"]) == (plan.block_size, plan.num_splits) == (128, 1)
+    assert dense[2]["num_splits"] == 1, "4 blocks of 128 tokens: at least MIN_STEPS_PER_SPLIT each"
+    # one round each: cuDNN 1, dense 2 (batch 2); cuDNN 3, dense 4 (batch 18)
+    assert dense[2]["ms"] == 2.0 and dense[2]["speedup_vs_best_peer"] == 0.5
+    assert dense[18]["speedup_vs_best_peer"] == 0.75
+    assert dense[18]["tb_per_s"] == 2 * 18 * 8 * 512 * 128 * 2 / 4.0 / 1e9
+    assert rows[1] == {**{key: rows[2][key] for key in ("batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
+                       "impl": "flash_sdpa", "error": "no kernel for this shape"}
+    assert bench.dense_batches_summary(rows) == {
+        "dense_batches_shapes": 2, "dense_batches_over_best_peer_min": 0.5,
+        "dense_batches_over_best_peer_median": 0.75, "dense_batches_b16plus_min": 0.75,
+        "dense_batches_b16plus_below_target": 1, "dense_batches_worst_shape": dict(batch=2, seqlen=512, num_splits=1)}
 
 
 def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fake_sms):
