@@ -134,8 +134,9 @@ def wave_balanced_splits(pairs: int, max_steps: int, sms: int, most: int) -> int
     bandwidth's pace and a last wave of ``r`` programs at ``max(LONE_WAVE_PACE, r / sms)`` of it: fewer programs
     share the bandwidth, but a lone 128-token program's walk is bound by its latency.
 
-    The three constants were fitted to 252 dense timings on the H200 (``D = 128``, 48-448 pairs, 8k-128k tokens,
-    1-16 splits; ``benchmarks/NOTES-art-decode.md``, V68), which the model gives within 2.9 % (root mean square);
+    Both constants were fitted, with a fixed 9 us per call and 1.86 us per block of a full wave (which do not move
+    the choice), to 252 dense timings on the H200 (``D = 128``, 8-512 pairs, 8k and 32k tokens, 1-16 splits;
+    ``benchmarks/NOTES-art-decode.md``, V68), which the model gives within 2.9 % (root mean square);
     one split of 144 pairs runs a wave and 12 programs at the lone pace (207 us at 8k), 8 splits nine waves of an
     eighth of the walk (156 us), while 96 pairs walk fastest in one split (95 us; 2 splits 116 us)."""
     def waves_of_blocks(splits: int) -> float:
