@@ -524,12 +524,9 @@ class DecodePlan:
         if self.per_pair_splits or self.on_demand:
             raise ValueError("the result steps of per-pair splits or on-demand followers depend on the call's "
                              "schedule, not on the single walks alone")
-        blocks = self.walk_blocks
-        if isinstance(blocks, torch.Tensor):
-            blocks = blocks.to(device=walks.device, dtype=walks.dtype)
+        blocks = torch.as_tensor(self.walk_blocks, dtype=walks.dtype, device=walks.device)   # [] or [B, 1]
         if self.art is None:
-            return torch.broadcast_to(torch.as_tensor(blocks, dtype=walks.dtype, device=walks.device),
-                                      walks.shape).clone()
+            return blocks.expand_as(walks).clone()
         return planned_result_steps(walks, blocks, self.num_splits, self.follow_step)
 
 
