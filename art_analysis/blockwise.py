@@ -162,16 +162,16 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
     if q.device != k.device:
         raise ValueError(f"q and k, v must be on one device, got {q.device} and {k.device}")
     batch, q_heads, dim = q.shape
+    if min(batch, q_heads, dim) < 1:
+        raise ValueError(f"q must have non-empty dims [B, Hq, D], got {tuple(q.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"q has batch {batch} but k has batch {k.shape[0]}")
     if k.shape[-1] != dim:
         raise ValueError(f"head dim mismatch: q has D={dim}, k and v have D={k.shape[-1]}")
     kv_heads, seqlen = k.shape[1], k.shape[2]
-    if kv_heads == 0 or q_heads % kv_heads != 0:
+    if q_heads % kv_heads != 0:
         raise ValueError(f"Hq % Hkv must be 0 (query head h reads KV head h // (Hq // Hkv)); "
                          f"got Hq={q_heads}, Hkv={kv_heads}")
-    if seqlen < 1:
-        raise ValueError("the KV cache must hold at least one token (S >= 1)")
     check_block_size(block_size)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

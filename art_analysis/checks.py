@@ -39,11 +39,13 @@ def check_float_tensor(t, name: str, layout: str) -> None:
 
 
 def check_kv_cache(k, v) -> None:
-    """``k, v`` must be floating-point ``[B, Hkv, S, D]`` tensors of one shape on one device."""
+    """``k, v`` must be floating-point ``[B, Hkv, S, D]`` tensors of one shape, no dim empty, on one device."""
     check_float_tensor(k, "k", "[B, Hkv, S, D]")
     check_float_tensor(v, "v", "[B, Hkv, S, D]")
     if k.dim() != 4:
         raise ValueError(f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
+    if min(k.shape) < 1:
+        raise ValueError(f"k must have non-empty dims [B, Hkv, S, D], got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if k.device != v.device:

@@ -545,9 +545,13 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     paged = block_table is not None
     kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2]
+    layout = f"{'paged [num_pages, page_size, Hkv, D]' if paged else 'contiguous [B, Hkv, S, D]'} k_cache " \
+             f"{tuple(k_cache.shape)}"
+    if kv_heads < 1:
+        raise ValueError(f"the {layout} holds no KV head")
     if q_heads % kv_heads:
         raise ValueError(f"Hq % Hkv must be 0 (query head h reads KV head h // (Hq // Hkv)); "
-                         f"got Hq={q_heads}, Hkv={kv_heads}")
+                         f"got Hq={q_heads}, Hkv={kv_heads} from the {layout}")
     group = q_heads // kv_heads
     if group > MAX_GROUP:
         raise ValueError(f"at most {MAX_GROUP} query heads per KV head are supported, got {group}")
@@ -957,6 +961,8 @@ def _check_tensors(q, k_cache, v_cache, block_table):
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"art_decode runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1), got {q.device}")
     batch, q_heads, head_dim = q.shape
+    if batch < 1 or q_heads < 1:
+        raise ValueError(f"q must hold at least one sequence and one query head, got shape {tuple(q.shape)}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {HEAD_DIMS}, got {head_dim}")
     if k_cache.shape[-1] != head_dim:

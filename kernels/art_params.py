@@ -20,11 +20,15 @@ never recompiles.  The monitor semantics (identical to the simulator's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .int_checks import check_count
 
 PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIMS = ("full", "mma")
 SCALES = ("relative", "absolute")
+INT32_MAX = 2 ** 31 - 1    # patience and min_steps reach the kernel as int32 scalars
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,13 @@ class ARTParams:
     use_direction: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.tau >= 0.0 and self.phi >= 0.0):
-            raise ValueError(f"tau and phi must be >= 0, got tau={self.tau}, phi={self.phi}")
-        if self.patience < 1:
-            raise ValueError(f"patience must be >= 1, got {self.patience}")
-        if self.min_steps < 0:
-            raise ValueError(f"min_steps must be >= 0, got {self.min_steps}")
+        for name in ("tau", "phi"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        check_count(self.patience, "patience", 1, INT32_MAX, unit="steps")
+        check_count(self.min_steps, "min_steps", 0, INT32_MAX, unit="steps")
         if self.probe_source not in PROBE_SOURCES:
             raise ValueError(f"probe_source must be one of {PROBE_SOURCES}, got {self.probe_source!r}")
         if self.probe_dims not in PROBE_DIMS:

@@ -31,6 +31,9 @@ def check_prefill_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | Non
                          f"got {q.shape[2]} and {k.shape[2]}")
     if q.shape[2] < 1:
         raise ValueError("the sequence must hold at least one token")
+    for name, x in named:
+        if min(x.shape) < 1:
+            raise ValueError(f"{name} must have non-empty dims [B, H, N, D], got {tuple(x.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads must be a multiple of KV heads, got {q.shape[1]} and {k.shape[1]}")
 

@@ -32,6 +32,10 @@ CASES = {
     "head dim mismatch": (lambda q, k, v: ((torch.cat([q, q], -1), k, v), {}), ValueError, "head dim mismatch"),
     "Hq % Hkv": (lambda q, k, v: ((q[:, :3], k, v), {}), ValueError, r"Hq % Hkv must be 0"),
     "batch mismatch": (lambda q, k, v: ((q[:1], k, v), {}), ValueError, "contiguous k_cache must be"),
+    "empty batch": (lambda q, k, v: ((q[:0], k[:0], v[:0]), {}), ValueError, "at least one sequence"),
+    "no query head": (lambda q, k, v: ((q[:, :0], k, v), {}), ValueError, "and one query head"),
+    "no kv head": (lambda q, k, v: ((q, k[:, :0], v[:, :0]), {}), ValueError,
+                   r"contiguous \[B, Hkv, S, D\] k_cache \(2, 0, 64, 64\) holds no KV head"),
     "strided head dim": (lambda q, k, v: ((q, k.transpose(2, 3).contiguous().transpose(2, 3), v), {}),
                          ValueError, "unit stride in the head dim"),
     "order": (lambda q, k, v: ((q, k, v), {"order": "importance"}), ValueError, "order must be one of"),
@@ -86,6 +90,8 @@ def test_block_table_with_a_bad_page_id_is_rejected():
     ("float", TypeError, "block_table must be int32 or int64"),
     ("rows", ValueError, r"block_table must be \[B=2, max_pages\]"),
     ("layout", ValueError, r"k_cache must be \[num_pages, page_size, Hkv, D\]"),
+    # a contiguous cache passed with a table is read as pages: the error names the layout it was read as
+    ("contiguous", ValueError, r"Hkv=64 from the paged \[num_pages, page_size, Hkv, D\] k_cache \(2, 2, 64, 64\)"),
 ])
 def test_bad_paged_layout_is_rejected(bad, error, message):
     q, _, _ = _inputs()
@@ -94,8 +100,10 @@ def test_bad_paged_layout_is_rejected(bad, error, message):
         table = table.float()
     elif bad == "rows":
         table = table[:1]
-    else:
+    elif bad == "layout":
         k_pages, v_pages = k_pages[0], v_pages[0]
+    else:
+        _, k_pages, v_pages = _inputs()
     with pytest.raises(error, match=message):
         art_decode(q, k_pages, v_pages, block_table=table)
 

@@ -231,6 +231,14 @@ def test_kernel_rejects_bad_input(change, error, match):
                                causal=change.get("causal", True))
 
 
+@pytest.mark.parametrize("batch, heads", [(0, 2), (1, 0)])
+def test_flexprefill_rejects_an_empty_batch_or_head_dim(batch, heads):
+    q = torch.randn(batch, heads, 64, 64).half()
+    k = torch.randn(batch, heads, 64, 64).half()
+    with pytest.raises(ValueError, match=r"must have non-empty dims \[B, H, N, D\]"):
+        flexprefill_attention(q, k, k, gamma=0.9, block_size=32)
+
+
 @pytest.mark.parametrize("gamma", [0.0, -0.1, 1.5])
 def test_flexprefill_rejects_gamma_outside_unit_interval(gamma):
     q = torch.randn(1, 2, 64, 64).half()

@@ -215,6 +215,11 @@ def test_sm_scale_is_applied():
     (dict(selection=torch.zeros(1, 2, 4, dtype=torch.bool)), ValueError, "at least one block"),
     (dict(v=torch.randn(1, 2, 32, 8)), ValueError, "shape of k"),
     (dict(sm_scale=-1.0), ValueError, "sm_scale"),
+    (dict(q=torch.randn(0, 4, 8)), ValueError, r"q must have non-empty dims \[B, Hq, D\], got \(0, 4, 8\)"),
+    (dict(q=torch.randn(1, 0, 8)), ValueError, r"q must have non-empty dims"),
+    (dict(k=torch.randn(1, 2, 0, 8), v=torch.randn(1, 2, 0, 8)), ValueError,
+     r"k must have non-empty dims \[B, Hkv, S, D\], got \(1, 2, 0, 8\)"),
+    (dict(k=torch.randn(1, 0, 64, 8), v=torch.randn(1, 0, 64, 8)), ValueError, r"k must have non-empty dims"),
 ])
 def test_bad_input_gets_a_clear_error(kwargs, error, message):
     args = dict(q=torch.randn(1, 4, 8), k=torch.randn(1, 2, 64, 8), v=torch.randn(1, 2, 64, 8), block_size=16)

@@ -156,8 +156,6 @@ def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqle
     """Check shapes, dtypes and devices at the public boundary and build :class:`SelectionInputs`."""
     check_kv_cache(k, v)
     batch, kv_heads, seqlen, dim = k.shape
-    if min(batch, kv_heads, seqlen, dim) < 1:
-        raise ValueError(f"k must have non-empty dims [B, Hkv, S, D], got {tuple(k.shape)}")
     check_block_size(block_size)
     if queries is not None:
         if not isinstance(queries, torch.Tensor) or not queries.is_floating_point():
