@@ -105,7 +105,7 @@ from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
-from .results_io import input_file_record, write_json_atomic
+from .results_io import input_file_record, source_revision, write_json_atomic
 from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
 from .walk_model import shared_bandwidth_ms
 
@@ -774,6 +774,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+        "source": source_revision(),
         "quick": quick,
         "art": dataclasses.asdict(art),
         "copy_ceiling_tb_per_s": ceiling,

@@ -44,7 +44,7 @@ from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
 from .bench import ROUNDS, decode_query_shape, loaded_fraction, stopped_share, tiled_capture, time_interleaved
 from .pair_walks import PairWalks
-from .results_io import input_file_record, write_json_atomic
+from .results_io import input_file_record, source_revision, write_json_atomic
 from .split_plan import hint_plan, on_demand_plan
 from .walk_hint import LongestWalkHint
 
@@ -141,6 +141,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "source": source_revision(),
         "quick": quick,
         "capture": Path(capture).name,
         "capture_file": input_file_record(capture),

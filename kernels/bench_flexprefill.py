@@ -36,7 +36,7 @@ from kernels.block_sparse import (KernelConfig, block_sparse_attention, default_
                                   heads_first)
 from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _token_means, estimate_block_mask, query_aware_blocks,
                                          representative_lines)
-from kernels.results_io import write_json_atomic
+from kernels.results_io import source_revision, write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
 GAMMAS = (0.85, 0.9, 0.95, 0.99)
@@ -281,6 +281,7 @@ def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None,
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
+        "source": source_revision(),
         "quick": quick,
         "ceilings": ceilings(device),
     }

@@ -1,12 +1,15 @@
 """Result files: writing them atomically (a temporary file in the same folder, then a rename), naming the inputs
-they were measured on, and finding the newest result of a benchmark suite."""
+and the code they were measured with, and finding the newest result of a benchmark suite."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
+
+SOURCE_COMMIT_ENV = "ART_SOURCE_COMMIT"   # names the commit of a tree copied without its history
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -38,6 +41,25 @@ def input_file_record(path: str | os.PathLike) -> dict:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def source_revision(root: str | os.PathLike | None = None) -> dict:
+    """The code a result is measured with, ``{"commit", "modified", "from"}``: where ``root`` (default: this
+    package's folder) lies in a git checkout, its ``HEAD`` and whether tracked files differ from it (``from`` =
+    ``"git"``); else the commit named by the environment variable ``ART_SOURCE_COMMIT`` (a tree copied without its
+    history, as onto a GPU machine; ``modified`` unknown: ``None``); else ``None`` for both."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parent
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                                  timeout=30).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        modified = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return {"commit": commit, "modified": modified, "from": "git"}
+    except (OSError, subprocess.SubprocessError):
+        named = os.environ.get(SOURCE_COMMIT_ENV) or None
+        return {"commit": named, "modified": None, "from": SOURCE_COMMIT_ENV if named else None}
 
 
 RESULTS_DIR = Path("benchmarks/results")

@@ -10,6 +10,8 @@
 #   cp captures/smollm2-8k/layer_015.safetensors .carry/smollm2_layer15_ctx8192.safetensors
 # A capture of several sequences (add --seed 1 --batch 8) gives each batch row of the tiled layer its own
 # sequence (kernels.bench.tiled_capture).
+# The JSON names the commit it measured (``source``): from git in a checkout; on a copy of the tree without its
+# history, from ART_SOURCE_COMMIT (e.g. ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made).
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 figure="${OUT:-figures}/kernel_speed.png"

@@ -5,6 +5,8 @@
 # make it with `art-analysis capture --prefill-layers 0,15,29 ...` and then
 # `art-analysis flexprefill --capture DIR --export-prefill .carry/smollm2_prefill.safetensors`
 # (the run used a 4096-token stdlib context).
+# The JSON names the commit it measured (``source``): from git in a checkout; on a copy of the tree without its
+# history, from ART_SOURCE_COMMIT (e.g. ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made).
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 mkdir -p "$out_dir"

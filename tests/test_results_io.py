@@ -1,7 +1,9 @@
-"""Result files name the input they were measured on by content, not only by its local file name."""
+"""Result files name the input they were measured on by content, not only by its local file name, and the code they
+were measured with."""
 import hashlib
+import subprocess
 
-from kernels.results_io import input_file_record
+from kernels.results_io import SOURCE_COMMIT_ENV, input_file_record, source_revision
 
 
 def test_an_input_file_is_recorded_by_name_size_and_content_hash(tmp_path):
@@ -15,3 +17,41 @@ def test_an_input_file_is_recorded_by_name_size_and_content_hash(tmp_path):
     assert input_file_record(renamed)["sha256"] == record["sha256"]
     renamed.write_bytes(data[:-1] + b"\x00")              # one byte changed: another input
     assert input_file_record(renamed)["sha256"] != record["sha256"]
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+def test_a_result_names_the_commit_it_was_measured_with(tmp_path, monkeypatch):
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    repo = tmp_path / "repo"
+    (repo / "kernels").mkdir(parents=True)
+    (repo / "kernels" / "k.py").write_text("x = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "kernels/k.py")
+    _git(repo, "commit", "-q", "-m", "k")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert source_revision(repo / "kernels") == {"commit": head, "modified": False, "from": "git"}
+    (repo / "kernels" / "new.py").write_text("")                  # untracked files do not count
+    assert source_revision(repo / "kernels")["modified"] is False
+    (repo / "kernels" / "k.py").write_text("x = 2\n")
+    assert source_revision(repo / "kernels") == {"commit": head, "modified": True, "from": "git"}
+
+
+def test_a_tree_without_history_takes_the_commit_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above tmp_path is searched
+    assert source_revision(tmp_path) == {"commit": None, "modified": None, "from": None}
+    monkeypatch.setenv(SOURCE_COMMIT_ENV, "0123abcd")
+    assert source_revision(tmp_path) == {"commit": "0123abcd", "modified": None, "from": SOURCE_COMMIT_ENV}
+
+
+def test_the_report_names_a_result_commit_when_it_has_one():
+    from art_analysis.cli.report import _source_note
+
+    assert _source_note({"source": {"commit": "0123456789abcdef", "modified": True}}) == ", commit 0123456789ab + changes"
+    assert _source_note({"source": {"commit": "0123456789abcdef", "modified": None}}) == ", commit 0123456789ab"
+    assert _source_note({"source": None}) == _source_note({}) == ""

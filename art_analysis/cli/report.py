@@ -208,8 +208,17 @@ def _gpu_section(results: dict) -> list[str]:
         summary = entry["summary"] or {}
         items = ", ".join(f"{key} = {value:.4g}" if isinstance(value, float) else f"{key} = {value}"
                           for key, value in summary.items() if not isinstance(value, (dict, list)))
-        lines += [f"* `{entry['file']}` ({entry['device']}, {str(entry['date'])[:10]}): {items}."]
+        lines += [f"* `{entry['file']}` ({entry['device']}, {str(entry['date'])[:10]}{_source_note(entry)}): {items}."]
     return lines + ["", "Figures: `kernel_speed.png`, `decode_loop.png`, `flexprefill_latency_vs_gamma.png`.", ""]
+
+
+def _source_note(entry: dict) -> str:
+    """``", commit <12 hex>"`` (``" + changes"`` where tracked files differed from it) of a benchmark entry whose result
+    names its code, else ``""``."""
+    source = entry.get("source") or {}
+    if not source.get("commit"):
+        return ""
+    return f", commit {source['commit'][:12]}{' + changes' if source.get('modified') else ''}"
 
 
 def render_report(results: dict) -> str:

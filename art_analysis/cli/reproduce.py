@@ -152,7 +152,8 @@ def _retention(loaded, block_size: int, context: int, quick: bool) -> pd.DataFra
 
 def _benchmark_summaries(folder: Path) -> dict:
     """The ``summary`` of the newest decode, decode-loop and FlexPrefill GPU results in ``folder``, with their file
-    names.  The decode loop's summary holds one entry per loop (``"<batch>x<seqlen>"``); its numbers are taken
+    names and the code they were measured with (``source``, ``kernels.results_io.source_revision``; ``None`` in
+    results written before it was recorded).  The decode loop's summary holds one entry per loop (``"<batch>x<seqlen>"``); its numbers are taken
     as ``"<batch>x<seqlen> <key>"`` (the per-implementation totals left out), so that the report lists them."""
     summaries = {}
     for kind in ("art-decode", "art-decode-loop", "flexprefill"):
@@ -164,5 +165,5 @@ def _benchmark_summaries(folder: Path) -> dict:
                 summary = {f"{loop} {key}": value for loop, numbers in summary.items()
                            for key, value in numbers.items() if not isinstance(value, dict)}
             summaries[kind] = dict(file=found.name, device=payload.get("device"), date=payload.get("date"),
-                                   summary=summary)
+                                   source=payload.get("source"), summary=summary)
     return summaries
