@@ -258,8 +258,8 @@ the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 m
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
 (``max(cache_seqlens)``, one device sync when lengths are given), at least ``MIN_STEPS_PER_SPLIT`` blocks per
-split, at most ``MAX_SPLITS``.  At ``D = 128`` a 128-token program holds its multiprocessor alone, and the
-count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
+split, at most ``MAX_SPLITS``.  At ``D = 128`` the 128-token walks time as waves of one program per
+multiprocessor, and the count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
 that spills a few programs into another wave pays that wave at a lone program's pace (17 splits x 8 KV heads =
 136 programs on 132 multiprocessors measured 11 % slower than 16 splits; 144 pairs 207 us in one split at 8k
 tokens, 156 in 8), while a grid of fewer programs than multiprocessors can beat two waves (96 pairs: 95 us in
