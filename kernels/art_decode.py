@@ -258,8 +258,8 @@ the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 m
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
 (``max(cache_seqlens)``, one device sync when lengths are given), at least ``MIN_STEPS_PER_SPLIT`` blocks per
-split, at most ``MAX_SPLITS``.  At ``D = 128`` the 128-token walks time as waves of one program per
-multiprocessor, and the count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
+split, at most ``MAX_SPLITS``.  At ``D = 128`` a 128-token program holds its multiprocessor alone (136 KB of shared memory), and the
+count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
 that spills a few programs into another wave pays that wave at a lone program's pace (17 splits x 8 KV heads =
 136 programs on 132 multiprocessors measured 11 % slower than 16 splits; 144 pairs 207 us in one split at 8k
 tokens, 156 in 8), while a grid of fewer programs than multiprocessors can beat two waves (96 pairs: 95 us in
@@ -903,8 +903,8 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     ``D = 64`` tiles read through host-made descriptors (``loads``, see :func:`_kv_loads`; V13: the
     monitored 64-dim walk 10-19 % faster and its never-stopping overhead +5.6 -> +0.1 % at one split,
     while with pointer loads one warp was 39 % slower).  A grid of 64-token blocks of ``D = 128``
-    larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 4 programs
-    fit on a multiprocessor instead of 3 (shared memory), so B = 64's 512 programs run in one wave
+    larger than ``RESIDENT_AT_THREE_STAGES`` programs per multiprocessor gets 2 stages: then 5 programs
+    fit on a multiprocessor instead of 3 (shared memory, V69; V9 counted 4), so B = 64's 512 programs run in one wave
     instead of 1.3 (V9; ``programs``: those that walk at once, an on-demand call's leaders), unless the call
     walks each pair single, launched longest first from ``single_walks`` (a :class:`kernels.pair_walks.PairWalks`),
     on the contiguous layout, and :func:`kernels.split_plan.longest_first_three_stages` prefers 3 stages for those walks

@@ -33,8 +33,8 @@ DENSE_BLOCK_SIZE = 128
 PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than multiples of DENSE_BLOCK_SIZE
 SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
 SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
-TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens at D = 64 (two fit a multiprocessor)
-PROGRAM_START_BLOCKS = 0.75      # ... at D = 128 (V68): a program's start and end, in blocks of its walk,
+TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens at D = 64 (three fit a multiprocessor, V69)
+PROGRAM_START_BLOCKS = 0.75      # ... at D = 128 (one fits, V68, V69): a program's start and end, in blocks of its walk,
 LONE_WAVE_PACE = 0.70            # ... and a wave's time per block, of a full wave's, however few programs it holds
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
 DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)
@@ -132,8 +132,7 @@ def wave_balanced_splits(pairs: int, max_steps: int, sms: int, most: int) -> int
     multiprocessors holds one program at a time: ``pairs`` walks of ``max_steps`` blocks in ``s`` splits run
     ``pairs * s / sms`` waves of ``ceil(max_steps / s) + PROGRAM_START_BLOCKS`` blocks each, a full wave at the
     bandwidth's pace and a last wave of ``r`` programs at ``max(LONE_WAVE_PACE, r / sms)`` of it: fewer programs
-    share the bandwidth, but a lone 128-token program's walk is bound by its latency.  (One program per
-    multiprocessor is the model's; the compiled build's registers would allow two, V69.)
+    share the bandwidth, but a lone 128-token program's walk is bound by its latency.
 
     Both constants were fitted, with a fixed 9 us per call and 1.86 us per block of a full wave (which do not move
     the choice), to 252 dense timings on the H200 (``D = 128``, 8-512 pairs, 8k and 32k tokens, 1-16 splits;
