@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"art-analysis {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

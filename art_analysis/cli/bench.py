@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .art_options import add_art_options, art_config_from_args
+from .output_paths import check_output_file, check_output_folder
 
 SUITES = ("decode", "decode-loop", "flexprefill", "all")
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         print("art-analysis bench: error: the benchmarks time Triton kernels on a CUDA GPU and none is "
               "available here; run it on a GPU machine (e.g. bash scripts/gpu_decode.sh)", file=sys.stderr)
         return 2
+    check_output_folder(args.out, "--out")
+    check_output_file(args.figure, "--figure")
     if args.capture is not None and not args.capture.is_file():
         raise FileNotFoundError(f"--capture {args.capture} is not a file")
     if args.suite == "decode-loop" and args.capture is None:

@@ -22,6 +22,7 @@ from ..analysis.retention import BACKENDS
 from ..table import format_table
 from ..termination import ARTConfig, MassCoverage
 from .art_options import add_art_options, art_config_from_args
+from .output_paths import check_output_file
 
 
 def _depths(text: str) -> list[float]:
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context < 64:
         raise ValueError(f"--context must be at least 64 tokens, got {args.context}")
+    check_output_file(args.json, "--json")
     if args.backend == "kernel" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--backend kernel runs the Triton kernel on a CUDA device, or on the CPU in Triton's "
                          "interpreter: set TRITON_INTERPRET=1 in the environment to run it here")

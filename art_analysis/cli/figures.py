@@ -37,6 +37,7 @@ from ..rules_summary import RULE_COLUMNS, SUMMARY_FORMATS, standard_rules, summa
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
 from ..termination import ARTConfig
+from .output_paths import check_output_folder
 
 
 @dataclass
@@ -195,6 +196,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.capture is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --capture DIR and --synthetic PRESET")
+    if args.out is not None:
+        check_output_folder(args.out, "--out")
     if args.capture is not None:
         from ..capture import KVCapture
 

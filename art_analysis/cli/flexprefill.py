@@ -19,6 +19,7 @@ from kernels.results_io import latest_result, write_json_atomic
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
 from .head_counts import parse_head_counts
+from .output_paths import check_output_file, check_output_folder
 
 COLUMNS = ("input", "gamma", "kept_fraction", "rel_error", "query_aware_heads")
 FORMATS = {"gamma": ".3f", "kept_fraction": ".3f", "rel_error": ".4f", "query_aware_heads": ".2f"}
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from ..plots.flexprefill import (plot_error_vs_gamma, plot_kept_vs_gamma,
                                      plot_latency_vs_gamma, plot_patterns)
 
+    check_output_folder(args.out, "--out")
+    check_output_file(args.json, "--json")
     bench = args.bench_json or latest_result("flexprefill")
     if bench is not None and not Path(bench).is_file():
         raise FileNotFoundError(f"benchmark JSON {bench} does not exist")

@@ -34,6 +34,7 @@ from ..synthetic import PRESETS, synthetic_cache
 from ..termination import ARTConfig
 from . import build_parser
 from .figures import draw_benchmark_figures, draw_figures, print_studies, run_studies
+from .output_paths import check_output_folder
 from .report import render_report
 
 TEXTS = ("stdlib", "docs")
@@ -64,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     context = args.context or (1024 if args.quick else 4096)
     if context < 256:
         raise ValueError(f"--context must be at least 256 tokens, got {context}")
-    out = args.out
+    out = check_output_folder(args.out, "--out")
+    if args.captures is not None:
+        check_output_folder(args.captures, "--captures")
     flexprefill_json = out / "flexprefill.json"
     flexprefill_args = ["flexprefill", "--out", str(out), "--json", str(flexprefill_json)]
     retention = pd.DataFrame()

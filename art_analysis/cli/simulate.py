@@ -15,6 +15,7 @@ from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
 from .art_options import add_art_options, art_config_from_args
 from .head_counts import parse_head_counts
+from .output_paths import check_output_file
 
 
 def register(subparsers) -> None:
@@ -43,6 +44,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.json, "--json")
     art = art_config_from_args(args)
     inputs = list(_inputs(args))
     traces = []
