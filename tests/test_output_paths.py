@@ -44,15 +44,19 @@ def test_a_folder_without_write_permission_is_refused(tmp_path, monkeypatch):
 def test_a_command_refuses_its_output_before_any_work(tmp_path, capsys, monkeypatch):
     import art_analysis.cli.figures as figures
     import art_analysis.cli.simulate as simulate
+    import art_analysis.models as models
 
     def no_work(*args, **kwargs):
         raise AssertionError("the work started before the output was checked")
 
     monkeypatch.setattr(figures, "synthetic_cache", no_work)
     monkeypatch.setattr(simulate, "_inputs", no_work)
+    monkeypatch.setattr(models, "load_model", no_work)
     (tmp_path / "taken").write_text("")
     assert main(["figures", "--synthetic", "realistic", "--out", str(tmp_path / "taken" / "figs")]) == 2
     assert main(["simulate", "--synthetic", "realistic", "--json", str(tmp_path)]) == 2
+    assert main(["capture", "--context", "128", "--out", str(tmp_path / "taken" / "capture")]) == 2
     err = capsys.readouterr().err
     assert "art-analysis figures: error: --out" in err and "cannot make the folder" in err
     assert "art-analysis simulate: error: --json" in err and "is a folder; give a file name" in err
+    assert "art-analysis capture: error: --out" in err and "its parent" in err and "is not a folder" in err

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..corpus import LONG_TEXT_SOURCES, PROMPT_BUILDERS
+from .output_paths import check_output_folder
 
 SOURCES = LONG_TEXT_SOURCES + tuple(PROMPT_BUILDERS)
 STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out.exists() and not args.overwrite:
         raise FileExistsError(f"output folder {str(args.out)!r} already exists; pass --overwrite to replace it")
+    check_output_folder(args.out.resolve().parent, f"--out {str(args.out)!r}: its parent")
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.context < 1:
