@@ -351,10 +351,17 @@ class KVCapture:
         meta_path = src / METADATA_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{str(src)!r} is not a capture folder: {METADATA_FILE} is missing")
-        metadata = json.loads(meta_path.read_text())
+        try:
+            metadata = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{str(meta_path)!r} is not valid JSON ({exc}); the capture's metadata is damaged") from exc
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not a capture's metadata object")
         if metadata.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{str(src)!r} has capture format {metadata.get('format_version')!r}; "
                              f"this version reads format {FORMAT_VERSION}")
+        if not isinstance(metadata.get("layers"), list):
+            raise ValueError(f"{str(meta_path)!r} lists no layers; the capture's metadata is damaged")
         missing = [layer_filename(i) for i in metadata["layers"] if not (src / layer_filename(i)).is_file()]
         if missing or not (src / TOKENS_FILE).is_file():
             raise FileNotFoundError(f"capture {str(src)!r} is incomplete; missing {missing or [TOKENS_FILE]}")

@@ -267,6 +267,17 @@ def test_load_rejects_a_folder_that_is_not_a_capture(tmp_path):
         KVCapture.load(tmp_path)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{\"format_version\": 1, ", "is not valid JSON .*the capture's metadata is damaged"),
+    ("[1, 2]", "holds a list, not a capture's metadata object"),
+    ("{\"format_version\": 1}", "lists no layers"),
+])
+def test_load_names_damaged_metadata(tmp_path, text, message):
+    (tmp_path / "metadata.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        KVCapture.load(tmp_path)
+
+
 def test_missing_model_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
