@@ -389,7 +389,8 @@ and change the lengths in place between replays.  Inside a capture the launcher 
 (that needs a sync), so it checks their tensor's type, shape and device only, sizes the grid for the
 capacity (``S``, or ``max_pages * page_size``) and passes the lengths on: each replay reads the values of
 that moment, which the caller keeps in ``[1, capacity]`` with valid pages.  Pass ``num_splits`` to fix
-the split count that the capture's capacity would otherwise pick.
+the split count that the capture's capacity would otherwise pick.  An eager loop can ask for the same with
+``read_lengths=False``: no call then waits for the device to read its lengths back.
 """
 from __future__ import annotations
 
@@ -535,12 +536,12 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                 sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                 block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                 follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-                release_step: int | None = None) -> DecodePlan:
+                release_step: int | None = None, read_lengths: bool = True) -> DecodePlan:
     """The :class:`DecodePlan` of ``art_decode(q, k_cache, v_cache, ...)`` with the same arguments (see
     :func:`art_decode`), without a launch: every check of the inputs and keywords, then the block size, split
     count, follow step, per-pair splits or on-demand followers (``kernels.split_plan``), and whether the monitor
     runs at all.  :func:`art_decode` runs exactly this plan; the benchmark states each row's plan from it.  Reads
-    the lengths (a sync on a device), except inside a CUDA-graph capture; records nothing into ``walk_hint``."""
+    the lengths (a sync on a device), except inside a CUDA-graph capture or with ``read_lengths=False``; records nothing into ``walk_hint``."""
     batch, q_heads, head_dim = _check_tensors(q, k_cache, v_cache, block_table)
     paged = block_table is not None
     kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
@@ -571,11 +572,14 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
     capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
     # inside a CUDA-graph capture no value can be read back: the lengths and pages go unchecked, and the grid is
-    # sized for the capacity, so that every replay may change the lengths in place
+    # sized for the capacity, so that every replay may change the lengths in place; read_lengths=False asks for the
+    # same outside a capture (no sync)
+    if not isinstance(read_lengths, bool):
+        raise TypeError(f"read_lengths must be a bool, got {type(read_lengths).__name__}")
     capturing = _capturing(q.device)
-    seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device,
-                                      read_values=not capturing)
-    if paged and not capturing:
+    reading = read_lengths and not capturing
+    seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device, read_values=reading)
+    if paged and reading:
         _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
     max_steps = -(-max_len // block_size)
     if art is not None and max_steps > MAX_ART_STEPS:
@@ -659,8 +663,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-               release_step: int | None = None, return_lse: bool = False, return_stats: bool = False,
-               return_result_steps: bool = False):
+               release_step: int | None = None, read_lengths: bool = True, return_lse: bool = False,
+               return_stats: bool = False, return_result_steps: bool = False):
     """Decode attention with optional ART termination: the walk that :func:`plan_decode` resolves from the same
     arguments, in one launch.
 
@@ -715,6 +719,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
             which too few walks stop does not walk alone to the end.  Default:
             :func:`kernels.split_plan.on_demand_plan`'s when ``num_splits`` is not given, else never.
+        read_lengths: ``False`` leaves ``cache_seqlens`` and ``block_table`` on the device: no sync (each call
+            with lengths otherwise reads their min and max, and on the paged layout checks the pages they use).
+            As inside a CUDA-graph capture, their values then go unchecked (keeping them in ``[1, capacity]`` with
+            valid pages is the caller's part) and the split plan is made for the capacity, not the longest length.
         return_lse: also return ``lse [B, Hq]`` (fp32, natural log of the softmax normaliser of
             the scaled scores over the visited blocks).
         return_stats: also return ``steps [B, Hkv, splits]`` (int32): steps whose blocks entered each
@@ -733,7 +741,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     plan = plan_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, sm_scale=sm_scale,
                        art=art, order=order, block_size=block_size, num_splits=num_splits,
                        longest_stop_steps=longest_stop_steps, follow_step=follow_step, walk_hint=walk_hint,
-                       pair_walks=pair_walks, release_walks=release_walks, release_step=release_step)
+                       pair_walks=pair_walks, release_walks=release_walks, release_step=release_step,
+                       read_lengths=read_lengths)
     batch, q_heads, kv_heads, head_dim = plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim
     paged, seqlens, max_len, max_steps = plan.paged, plan.seqlens, plan.max_len, plan.max_steps
     block_size, num_splits, follow_step, art = plan.block_size, plan.num_splits, plan.follow_step, plan.art

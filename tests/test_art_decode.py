@@ -1188,6 +1188,32 @@ def test_gpu_64_dim_pages_that_hold_128_token_blocks_walk_64_token_blocks():
         assert_paged_agrees(paged, contiguous, page_size, 64)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_unread_lengths_give_the_read_calls_result_without_reading_them(paged, monkeypatch):
+    # read_lengths=False: the lengths and pages stay on the device (what a sync would read is never asked for) and
+    # the call, sized for the capacity, equals the one that read them where the longest length is the capacity
+    q, k, v = synthetic_inputs(3, 8, 2, 256, 64, torch.float16, torch.device("cpu"), seed=5)
+    table = None
+    if paged:
+        k, v, table = to_paged(k, v, 16, seed=5)
+    lengths = torch.tensor([256, 1, 130], dtype=torch.int32)
+    for art, splits in ((None, 2), (ARTConfig(tau=1e-3, phi=1e-4, patience=2).kernel_params(), 1)):
+        read = art_decode(q, k, v, cache_seqlens=lengths, block_table=table, art=art, num_splits=splits,
+                          return_lse=True, return_stats=True)
+        with monkeypatch.context() as patched:
+            def no_read(*args, **kwargs):
+                raise AssertionError("the lengths or pages were read back")
+
+            patched.setattr(torch, "aminmax", no_read)
+            patched.setattr(art_decode_module, "_check_block_table", no_read)
+            unread = art_decode(q, k, v, cache_seqlens=lengths, block_table=table, art=art, num_splits=splits,
+                                return_lse=True, return_stats=True, read_lengths=False)
+        for a, b in zip(read, unread):
+            assert torch.equal(a, b), (paged, art)
+    with pytest.raises(TypeError, match="read_lengths must be a bool"):
+        art_decode(q, k, v, cache_seqlens=lengths, block_table=table, read_lengths=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
