@@ -1226,9 +1226,9 @@ def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
     for art, splits, dtype in ((None, 4, torch.int32), (ARTConfig().kernel_params(), 1, torch.int64)):
         lengths = torch.tensor([8192, 1, 4097, 65], dtype=dtype, device="cuda")
 
-        def call():
+        def call(read_lengths=True):
             return art_decode(q, k, v, cache_seqlens=lengths, block_table=table, art=art, num_splits=splits,
-                              return_lse=True, return_stats=True)
+                              return_lse=True, return_stats=True, read_lengths=read_lengths)
 
         call()
         torch.cuda.synchronize()
@@ -1238,8 +1238,8 @@ def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
         for new in ([1000, 8192, 1, 300], [64, 65, 8191, 2]):
             lengths.copy_(torch.tensor(new))
             graph.replay()
-            for a, b in zip(captured, call()):
-                assert torch.equal(a, b), (art, splits, new)
+            for a, b, c in zip(captured, call(), call(read_lengths=False)):   # an eager call planned as captured
+                assert torch.equal(a, b) and torch.equal(a, c), (art, splits, new)
 
 
 @pytest.mark.gpu
