@@ -546,11 +546,11 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     paged = block_table is not None
     kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2]
-    layout = f"{'paged [num_pages, page_size, Hkv, D]' if paged else 'contiguous [B, Hkv, S, D]'} k_cache " \
-             f"{tuple(k_cache.shape)}"
-    if kv_heads < 1:
-        raise ValueError(f"the {layout} holds no KV head")
-    if q_heads % kv_heads:
+    if kv_heads < 1 or q_heads % kv_heads:
+        layout = f"{'paged [num_pages, page_size, Hkv, D]' if paged else 'contiguous [B, Hkv, S, D]'} k_cache " \
+                 f"{tuple(k_cache.shape)}"
+        if kv_heads < 1:
+            raise ValueError(f"the {layout} holds no KV head")
         raise ValueError(f"Hq % Hkv must be 0 (query head h reads KV head h // (Hq // Hkv)); "
                          f"got Hq={q_heads}, Hkv={kv_heads} from the {layout}")
     group = q_heads // kv_heads

@@ -50,16 +50,18 @@ def source_revision(root: str | os.PathLike | None = None) -> dict:
     history, as onto a GPU machine; ``modified`` unknown: ``None``); else ``None`` for both."""
     root = Path(root) if root is not None else Path(__file__).resolve().parent
     try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
-                                  timeout=30).stdout.strip()
-
-        commit = git("rev-parse", "HEAD")
-        modified = bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit = _git(root, "rev-parse", "HEAD")
+        modified = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
         return {"commit": commit, "modified": modified, "from": "git"}
     except (OSError, subprocess.SubprocessError):
         named = os.environ.get(SOURCE_COMMIT_ENV) or None
         return {"commit": named, "modified": None, "from": SOURCE_COMMIT_ENV if named else None}
+
+
+def _git(root: Path, *args: str) -> str:
+    """The output of ``git -C root ARGS`` (``CalledProcessError`` outside a checkout)."""
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
 
 
 RESULTS_DIR = Path("benchmarks/results")
