@@ -29,8 +29,9 @@ measures:
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
   split counts and block sizes 64 / 128;
 * the dense default at batch sizes off the grid (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``,
-  where the programs fill the multiprocessors unevenly) against cuDNN and flash SDPA (:func:`bench_dense_batches`,
-  summarised by :func:`dense_batches_summary`);
+  where the programs fill the multiprocessors unevenly) against cuDNN and flash SDPA, and a candidate plan beside
+  it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`) (:func:`bench_dense_batches`, summarised by
+  :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
   (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
@@ -106,7 +107,7 @@ from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
-from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
+from .split_plan import MAX_SPLITS, MIN_STEPS_PER_SPLIT, SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -132,6 +133,9 @@ MONITOR_OVERHEAD_TARGET = 0.01
 DENSE_TARGET = 0.97              # dense over the best peer's throughput, B >= 16
 # timed after do_bench's memset as well (kernels.l2_flush): the time bound's rows, under either flush
 MEMSET_FLUSH_IMPLS = ("art", "art_calibrated", "art_dense")
+# programs of 64-token blocks at D = 128 that one multiprocessor holds at the launcher's 2 stages (shared memory,
+# benchmarks/NOTES-art-decode.md V69): the one-wave candidate of the dense batches
+ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM = 5
 
 
 def kv_bytes(k: torch.Tensor) -> int:
@@ -412,13 +416,25 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     return rows
 
 
+def one_wave_small_block_splits(pairs: int, blocks: int, sms: int) -> int:
+    """The split count of the one-wave candidate plan for a dense walk of ``blocks`` 64-token blocks per pair at
+    ``D = 128``: the most splits (at least ``MIN_STEPS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``) whose
+    ``pairs * splits`` programs fit one wave of ``ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM`` per multiprocessor; one
+    split where even that overfills it.  In V68's split sweep that plan was faster than the 128-token default at
+    B = 18 x 8k (141.6 against 155.8 us; cuDNN 142.5), within 1.3 % of it at 32k; the dense batches time it as
+    ``art_dense_bs64_one_wave`` to decide whether the dense plan takes it."""
+    most = max(1, min(blocks // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM * sms // pairs, most))
+
+
 def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device: torch.device,
                         rounds: int = ROUNDS) -> list[dict]:
     """The dense plan against cuDNN and flash SDPA at batch sizes off the main grid, where the programs fill the
     multiprocessors unevenly: ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
-    random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa`` and
-    ``art_dense`` per shape (graph times in ``rounds`` interleaved rounds), the dense row with its plan's block
-    size and split count."""
+    random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
+    ``art_dense`` and ``art_dense_bs64_one_wave`` (the candidate plan: 64-token blocks at
+    :func:`one_wave_small_block_splits`) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
+    its block size and split count."""
     rows = []
     for seqlen in lengths:
         for batch in tqdm(batches, desc=f"dense batches, S={seqlen}"):
@@ -435,14 +451,17 @@ def _dense_batch_rows(batch: int, seqlen: int, rep_ms: int, ceiling: float, devi
     k, v = (torch.randn(batch, KV_HEADS, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=generator)
             for _ in range(2))
     plan = plan_decode(q, k, v)
+    one_wave = one_wave_small_block_splits(batch * KV_HEADS, -(-seqlen // ART_BLOCK_SIZE), num_sms(device))
+    plans = {"art_dense": (plan.block_size, plan.num_splits), "art_dense_bs64_one_wave": (ART_BLOCK_SIZE, one_wave)}
     calls = {impl: fn for impl, fn in _peer_fns(q, k, v, flex=False).items() if impl in ("cudnn_sdpa", "flash_sdpa")}
     calls["art_dense"] = lambda: art_decode(q, k, v)
+    calls["art_dense_bs64_one_wave"] = lambda: art_decode(q, k, v, block_size=ART_BLOCK_SIZE, num_splits=one_wave)
     nbytes, rows = kv_bytes(k), []
     for impl, result in time_interleaved(calls, rep_ms, rounds, device).items():
         row = dict(batch=batch, seqlen=seqlen, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, impl=impl,
                    **result)
-        if impl == "art_dense":
-            row.update(block_size=plan.block_size, num_splits=plan.num_splits)
+        if impl in plans:
+            row.update(zip(("block_size", "num_splits"), plans[impl]))
         if "ms" in row:
             row.update(throughput(nbytes, row["ms"], ceiling))
         rows.append(row)
@@ -451,19 +470,32 @@ def _dense_batch_rows(batch: int, seqlen: int, rep_ms: int, ceiling: float, devi
 
 
 def dense_batches_summary(rows: list[dict]) -> dict:
-    """The dense rows of :func:`bench_dense_batches` over the best peer's throughput: min and median over every
-    shape and over ``B >= 16``, the shapes of ``B >= 16`` below ``DENSE_TARGET``, and the worst shape."""
+    """The rows of :func:`bench_dense_batches`: the dense default's over the best peer's throughput (min and median
+    over every shape and over ``B >= 16``, the shapes of ``B >= 16`` below ``DENSE_TARGET``, and the worst shape),
+    and the one-wave candidate's time over the default's (min, median, max, the shapes where it is the faster) and
+    the shapes of ``B >= 16`` where it is below ``DENSE_TARGET``."""
     dense = [r for r in rows if r["impl"] == "art_dense" and "speedup_vs_best_peer" in r]
     ratios = [r["speedup_vs_best_peer"] for r in dense]
     large = [r["speedup_vs_best_peer"] for r in dense if r["batch"] >= 16]
     worst = min(dense, key=lambda r: r["speedup_vs_best_peer"], default=None)
+    default_ms = {(r["batch"], r["seqlen"]): r["ms"] for r in rows if r["impl"] == "art_dense" and "ms" in r}
+    candidate = [r for r in rows if r["impl"] == "art_dense_bs64_one_wave" and "ms" in r
+                 and (r["batch"], r["seqlen"]) in default_ms]
+    over_default = [r["ms"] / default_ms[r["batch"], r["seqlen"]] for r in candidate]
     return {"dense_batches_shapes": len(dense),
             "dense_batches_over_best_peer_min": min(ratios, default=None),
             "dense_batches_over_best_peer_median": _upper_median(ratios),
             "dense_batches_b16plus_min": min(large, default=None),
             "dense_batches_b16plus_below_target": sum(x < DENSE_TARGET for x in large),
             "dense_batches_worst_shape": (dict(batch=worst["batch"], seqlen=worst["seqlen"],
-                                               num_splits=worst["num_splits"]) if worst else None)}
+                                               num_splits=worst["num_splits"]) if worst else None),
+            "dense_batches_one_wave_over_default_min": min(over_default, default=None),
+            "dense_batches_one_wave_over_default_median": _upper_median(over_default),
+            "dense_batches_one_wave_over_default_max": max(over_default, default=None),
+            "dense_batches_one_wave_faster": sum(x < 1 for x in over_default),
+            "dense_batches_one_wave_b16plus_below_target": sum(
+                r["speedup_vs_best_peer"] < DENSE_TARGET for r in candidate
+                if r["batch"] >= 16 and "speedup_vs_best_peer" in r)}
 
 
 def stopped_share(result_steps: torch.Tensor, blocks: int) -> float:

@@ -66,6 +66,7 @@ def test_dense_batch_rows_time_the_dense_plan_against_the_peers(monkeypatch, fak
     import kernels.bench as bench
 
     fake_sms(132)
+    monkeypatch.setattr(bench, "num_sms", lambda device: 132)
     clock = itertools.count(1)
     monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms, flush="read": float(next(clock)))
     monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
@@ -73,24 +74,44 @@ def test_dense_batch_rows_time_the_dense_plan_against_the_peers(monkeypatch, fak
     monkeypatch.setattr(bench, "_peer_fns", lambda q, k, v, flex: {
         "cudnn_sdpa": lambda: None, "flash_sdpa": "no kernel for this shape", "flex_attention": lambda: None})
     rows = bench.bench_dense_batches((2, 18), (512,), rep_ms=1, ceiling=4.0, device=torch.device("cpu"), rounds=1)
-    assert [(r["batch"], r["impl"]) for r in rows] == [(2, "cudnn_sdpa"), (2, "flash_sdpa"), (2, "art_dense"),
-                                                       (18, "cudnn_sdpa"), (18, "flash_sdpa"), (18, "art_dense")]
+    ours = ("art_dense", "art_dense_bs64_one_wave")
+    assert [(r["batch"], r["impl"]) for r in rows] == [(b, impl) for b in (2, 18)
+                                                       for impl in ("cudnn_sdpa", "flash_sdpa") + ours]
     dense = {r["batch"]: r for r in rows if r["impl"] == "art_dense"}
+    one_wave = {r["batch"]: r for r in rows if r["impl"] == "art_dense_bs64_one_wave"}
     q = torch.zeros(18, 32, 128)
     k = torch.zeros(18, 8, 512, 128)
     plan = art_decode_module.plan_decode(q, k, k)
     assert (dense[18]["block_size"], dense[18]["num_splits"]) == (plan.block_size, plan.num_splits) == (128, 1)
     assert dense[2]["num_splits"] == 1, "4 blocks of 128 tokens: at least MIN_STEPS_PER_SPLIT each"
-    # one round each: cuDNN 1, dense 2 (batch 2); cuDNN 3, dense 4 (batch 18)
+    # 8 blocks of 64 tokens: 2 splits at most; 144 pairs x 4 splits would fit 5 x 132 programs, but 8 / 4 < 4 blocks
+    assert (one_wave[2]["block_size"], one_wave[2]["num_splits"]) == (64, 2)
+    assert (one_wave[18]["block_size"], one_wave[18]["num_splits"]) == (64, 2)
+    # one round each: cuDNN 1, dense 2, one wave 3 (batch 2); cuDNN 4, dense 5, one wave 6 (batch 18)
     assert dense[2]["ms"] == 2.0 and dense[2]["speedup_vs_best_peer"] == 0.5
-    assert dense[18]["speedup_vs_best_peer"] == 0.75
-    assert dense[18]["tb_per_s"] == 2 * 18 * 8 * 512 * 128 * 2 / 4.0 / 1e9
+    assert dense[18]["speedup_vs_best_peer"] == 0.8 and one_wave[18]["speedup_vs_best_peer"] == 4 / 6
+    assert dense[18]["tb_per_s"] == 2 * 18 * 8 * 512 * 128 * 2 / 5.0 / 1e9
     assert rows[1] == {**{key: rows[2][key] for key in ("batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
                        "impl": "flash_sdpa", "error": "no kernel for this shape"}
     assert bench.dense_batches_summary(rows) == {
         "dense_batches_shapes": 2, "dense_batches_over_best_peer_min": 0.5,
-        "dense_batches_over_best_peer_median": 0.75, "dense_batches_b16plus_min": 0.75,
-        "dense_batches_b16plus_below_target": 1, "dense_batches_worst_shape": dict(batch=2, seqlen=512, num_splits=1)}
+        "dense_batches_over_best_peer_median": 0.8, "dense_batches_b16plus_min": 0.8,
+        "dense_batches_b16plus_below_target": 1, "dense_batches_worst_shape": dict(batch=2, seqlen=512, num_splits=1),
+        "dense_batches_one_wave_over_default_min": 6 / 5, "dense_batches_one_wave_over_default_median": 3 / 2,
+        "dense_batches_one_wave_over_default_max": 3 / 2, "dense_batches_one_wave_faster": 0,
+        "dense_batches_one_wave_b16plus_below_target": 1}
+
+
+def test_one_wave_candidate_takes_the_most_splits_that_fit_one_wave_of_two_stage_programs():
+    import kernels.bench as bench
+
+    blocks = 8192 // 64
+    assert bench.one_wave_small_block_splits(144, blocks, 132) == 4      # B = 18: 576 of 660 programs (V69's 141.6 us)
+    assert bench.one_wave_small_block_splits(80, blocks, 132) == 8       # B = 10: 640
+    assert bench.one_wave_small_block_splits(272, blocks, 132) == 2      # B = 34: 544
+    assert bench.one_wave_small_block_splits(661, blocks, 132) == 1      # over one wave at any split count
+    assert bench.one_wave_small_block_splits(1, blocks, 132) == 32       # 128 blocks: at least 4 per split
+    assert bench.one_wave_small_block_splits(1, 2048, 132) == 128        # MAX_SPLITS
 
 
 def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fake_sms):
