@@ -484,13 +484,13 @@ def dense_batches_summary(rows: list[dict]) -> dict:
     over_default = [r["ms"] / default_ms[r["batch"], r["seqlen"]] for r in candidate]
     return {"dense_batches_shapes": len(dense),
             "dense_batches_over_best_peer_min": min(ratios, default=None),
-            "dense_batches_over_best_peer_median": _upper_median(ratios),
+            "dense_batches_over_best_peer_median": upper_median(ratios),
             "dense_batches_b16plus_min": min(large, default=None),
             "dense_batches_b16plus_below_target": sum(x < DENSE_TARGET for x in large),
             "dense_batches_worst_shape": (dict(batch=worst["batch"], seqlen=worst["seqlen"],
                                                num_splits=worst["num_splits"]) if worst else None),
             "dense_batches_one_wave_over_default_min": min(over_default, default=None),
-            "dense_batches_one_wave_over_default_median": _upper_median(over_default),
+            "dense_batches_one_wave_over_default_median": upper_median(over_default),
             "dense_batches_one_wave_over_default_max": max(over_default, default=None),
             "dense_batches_one_wave_faster": sum(x < 1 for x in over_default),
             "dense_batches_one_wave_b16plus_below_target": sum(
@@ -504,7 +504,7 @@ def stopped_share(result_steps: torch.Tensor, blocks: int) -> float:
     return float((result_steps < blocks).double().mean())
 
 
-def _upper_median(values) -> float | None:
+def upper_median(values) -> float | None:
     """The median of ``values``, the upper of the two middle ones for an even count; ``None`` when there are none."""
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else None
@@ -727,11 +727,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     return {
         "copy_ceiling_tb_per_s": ceiling,
         "dense_over_best_peer_throughput_b16plus_min": min(dense_ratio, default=None),
-        "dense_over_best_peer_throughput_b16plus_median": _upper_median(dense_ratio),
+        "dense_over_best_peer_throughput_b16plus_median": upper_median(dense_ratio),
         "dense_target": DENSE_TARGET,
         "b1_s32k": b1,
         "monitor_overhead_max": max(overhead, default=None),
-        "monitor_overhead_median": _upper_median(overhead),
+        "monitor_overhead_median": upper_median(overhead),
         "monitor_overhead_target": MONITOR_OVERHEAD_TARGET,
         "monitor_overhead_rows": len(overhead),
         "monitor_overhead_rows_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead),
@@ -741,7 +741,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "monitor_overhead_fastest_rounds_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead_fastest),
         "monitor_skipped_rows": len(monitor_skipped),
         "never_default_over_dense_max": max(never_default.values(), default=None),
-        "never_default_over_dense_median": _upper_median(never_default.values()),
+        "never_default_over_dense_median": upper_median(never_default.values()),
         "never_default_worst_shape": (dict(zip(("data", "batch", "seqlen"), max(never_default, key=never_default.get)))
                                       if never_default else None),
         "art_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in art_rows),

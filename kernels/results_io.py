@@ -1,5 +1,5 @@
 """Result files: writing them atomically (a temporary file in the same folder, then a rename), naming the inputs
-and the code they were measured with, and finding the newest result of a benchmark suite."""
+and the code they were measured with, finding the newest result of a benchmark suite, and reading its summary."""
 from __future__ import annotations
 
 import hashlib
@@ -75,3 +75,14 @@ def latest_result(suite: str, folder: str | os.PathLike = RESULTS_DIR) -> Path |
     """
     found = sorted(Path(folder).glob(f"*-{suite}.json"))
     return found[-1] if found else None
+
+
+def flat_summary(payload: dict) -> dict:
+    """A benchmark result's ``summary`` as one level of entries: a decode-loop result's, which holds one summary per
+    loop (``"<batch>x<seqlen>"``), as ``"<batch>x<seqlen> <entry>"`` with the per-implementation totals (dicts) left
+    out; any other's as it is (``{}`` where the result has none)."""
+    summary = payload.get("summary") or {}
+    if payload.get("suite") == "decode-loop":
+        return {f"{loop} {key}": value for loop, numbers in summary.items()
+                for key, value in numbers.items() if not isinstance(value, dict)}
+    return dict(summary)

@@ -10,6 +10,7 @@
 #   cp captures/smollm2-8k/layer_015.safetensors .carry/smollm2_layer15_ctx8192.safetensors
 # A capture of several sequences (add --seed 1 --batch 8) gives each batch row of the tiled layer its own
 # sequence (kernels.bench.tiled_capture).
+# The run ends with `art-analysis bench-compare` of its result against the newest committed one.
 # The JSON names the commit it measured (``source``): from git in a checkout; on a copy of the tree without its
 # history, from ART_SOURCE_COMMIT (e.g. ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made).
 set -uo pipefail
@@ -94,5 +95,15 @@ extra=()
 [ -f "$capture" ] && extra=(--capture "$capture")
 [ "${QUICK:-0}" = 1 ] && extra+=(--quick)
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
-python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 \
-    | tee "$out_dir/decode_bench.log"
+# the newest committed result, kept aside (a run of the same date without $OUT replaces it): the new run is compared
+# with it call by call at the end (decode_compare.log / .json)
+baseline=$(ls benchmarks/results/*-art-decode.json 2>/dev/null | sort | tail -n 1)
+baseline_dir=$(mktemp -d)
+[ -n "$baseline" ] && cp "$baseline" "$baseline_dir/"
+cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
+cli bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 | tee "$out_dir/decode_bench.log"
+new_result=$(ls "$out_dir"/*-art-decode.json 2>/dev/null | sort | tail -n 1)
+if [ -n "$baseline" ] && [ -n "$new_result" ]; then
+    cli bench-compare "$baseline_dir/$(basename "$baseline")" "$new_result" --json "$out_dir/decode_compare.json" 2>&1 \
+        | tee "$out_dir/decode_compare.log"
+fi

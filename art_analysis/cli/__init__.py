@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("simulate", "figures", "reproduce", "capture", "bench", "flexprefill", "evaluate")
+COMMANDS = ("simulate", "figures", "reproduce", "capture", "bench", "bench-compare", "flexprefill", "evaluate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").register(subparsers)
     return parser
 
 

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kernels.results_io import latest_result, write_json_atomic, write_text_atomic
+from kernels.results_io import flat_summary, latest_result, write_json_atomic, write_text_atomic
 
 from ..analysis.inputs import traces
 from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, ERROR_BOUND
@@ -163,10 +163,6 @@ def _benchmark_summaries(folder: Path) -> dict:
         found = latest_result(kind, folder)
         if found is not None:
             payload = json.loads(found.read_text())
-            summary = payload.get("summary")
-            if kind == "art-decode-loop" and summary:
-                summary = {f"{loop} {key}": value for loop, numbers in summary.items()
-                           for key, value in numbers.items() if not isinstance(value, dict)}
             summaries[kind] = dict(file=found.name, device=payload.get("device"), date=payload.get("date"),
-                                   source=payload.get("source"), summary=summary)
+                                   source=payload.get("source"), summary=flat_summary(payload) or None)
     return summaries
