@@ -498,6 +498,36 @@ def dense_batches_summary(rows: list[dict]) -> dict:
                 if r["batch"] >= 16 and "speedup_vs_best_peer" in r)}
 
 
+def target_rows(summary: dict) -> list[dict]:
+    """The issue's four targets as ``{"target", "measured", "met"}`` rows of a decode run's ``summary``
+    (:func:`summarise`; ``met`` is ``None`` where the run did not measure the target, e.g. a quick run without
+    ``B >= 16``)."""
+    dense = summary.get("dense_over_best_peer_throughput_b16plus_min")
+    b1 = summary.get("b1_s32k")
+    overhead = summary.get("monitor_overhead_max")
+    bound, rows = summary.get("art_rows_meeting_time_bound"), summary.get("art_rows")
+    told, told_rows = summary.get("art_calibrated_rows_meeting_time_bound"), summary.get("art_calibrated_rows")
+    return [
+        {"target": f"dense >= {DENSE_TARGET}x the best peer, B >= 16",
+         "measured": "not measured" if dense is None else
+         f"min {dense:.3f}x (median {summary['dense_over_best_peer_throughput_b16plus_median']:.3f}x)",
+         "met": None if dense is None else dense >= DENSE_TARGET},
+        {"target": "dense no slower than the best peer, B = 1 x 32k",
+         "measured": "not measured" if b1 is None else f"{b1['art_dense_ms']:.4f} ms against {b1['best_peer_ms']:.4f}",
+         "met": None if b1 is None else b1["art_dense_ms"] <= b1["best_peer_ms"]},
+        {"target": f"never-stopping monitor overhead <= {MONITOR_OVERHEAD_TARGET:.0%}",
+         "measured": "not measured" if overhead is None else
+         f"max {overhead:+.2%} over {summary.get('monitor_overhead_rows', '?')} rows" + (
+             f" (fastest rounds: max {summary['monitor_overhead_fastest_rounds_max']:+.2%})"
+             if summary.get("monitor_overhead_fastest_rounds_max") is not None else ""),
+         "met": None if overhead is None else overhead <= MONITOR_OVERHEAD_TARGET},
+        {"target": "ART <= 1.15 x loaded fraction x dense + 10 us",
+         "measured": "not measured" if not rows else
+         f"{bound} of {rows} rows" + (f" ({told} of {told_rows} told each walk)" if told_rows else ""),
+         "met": None if not rows else bound == rows},
+    ]
+
+
 def stopped_share(result_steps: torch.Tensor, blocks: int) -> float:
     """The share of ``(b, kv_head)`` pairs whose output stopped before the last of the walk's ``blocks``:
     ``result_steps [B, Hkv]`` (``art_decode``'s ``return_result_steps``, or a single walk's steps)."""

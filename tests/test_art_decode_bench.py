@@ -736,3 +736,27 @@ def test_decode_loop_tells_each_step_the_previous_steps_walks(monkeypatch, tmp_p
     assert summary["stopped_pairs_mean"]["art_previous_step"] == pytest.approx(
         sum(by_key[(s, "art_previous_step")]["stopped_pairs"] for s in range(3)) / 3)
     assert set(summary["stopped_pairs_mean"]) == set(loop.IMPLS) - {"art_dense"}
+
+
+def test_target_rows_state_each_target_of_a_run_and_whether_it_was_met(capsys):
+    import json
+    from pathlib import Path
+
+    import kernels.bench as bench
+    from art_analysis.cli.bench import _print_summaries
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-05-art-decode.json"
+    summary = json.loads(path.read_text())["summary"]
+    rows = bench.target_rows(summary)
+    assert [row["met"] for row in rows] == [True, True, True, False]
+    assert rows[0]["measured"] == "min 0.989x (median 1.000x)"
+    assert rows[1]["measured"] == "0.0386 ms against 0.0404"
+    assert rows[2]["measured"] == "max +0.84% over 20 rows (fastest rounds: max +0.78%)"
+    assert rows[3]["measured"] == "15 of 26 rows (19 of 26 told each walk)"
+    # a target the run did not reach: over the threshold, or not measured at all (a quick run without B >= 16)
+    worse = {**summary, "monitor_overhead_max": 0.0101, "dense_over_best_peer_throughput_b16plus_min": None,
+             "b1_s32k": {"art_dense_ms": 0.05, "best_peer_ms": 0.04}, "art_rows_meeting_time_bound": 26}
+    assert [row["met"] for row in bench.target_rows(worse)] == [None, False, False, True]
+    _print_summaries({"decode": summary})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "decode targets:" and printed[-1].endswith("no") and "15 of 26 rows" in printed[-1]

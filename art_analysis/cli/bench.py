@@ -70,5 +70,21 @@ def run(args: argparse.Namespace) -> int:
         from kernels.bench_flexprefill import run as run_flexprefill
 
         summaries["flexprefill"] = run_flexprefill(args.out, args.quick)["summary"]
-    print(json.dumps(summaries, indent=1))
+    _print_summaries(summaries)
     return 0
+
+
+def _print_summaries(summaries: dict) -> None:
+    """Each suite's summary, the decode suite's targets last as a short table (the JSON holds every number)."""
+    from kernels.bench import target_rows
+
+    from ..table import format_table
+
+    for suite, summary in summaries.items():
+        if suite != "decode":
+            print(f"{suite}: {json.dumps(summary, indent=1)}")
+    if "decode" in summaries:
+        rows = [{**row, "met": {True: "yes", False: "no", None: "-"}[row["met"]]}
+                for row in target_rows(summaries["decode"])]
+        print("decode targets:")
+        print(format_table(rows, ("target", "measured", "met")))
