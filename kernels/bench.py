@@ -30,8 +30,8 @@ measures:
   split counts and block sizes 64 / 128;
 * the dense default at batch sizes off the grid (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``,
   where the programs fill the multiprocessors unevenly) against cuDNN and flash SDPA, and a candidate plan beside
-  it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`) (:func:`bench_dense_batches`, summarised by
-  :func:`dense_batches_summary`);
+  it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing over ``DENSE_BATCH_REP_MS``
+  (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
   (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
@@ -125,6 +125,7 @@ LONE_WALK_LENGTHS = (8192, 32768)
 DENSE_BATCHES = (2, 3, 4, 6, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 34, 36, 40, 44, 48, 56)
 DENSE_BATCH_LENGTHS = (8192, 32768)
 QUICK_DENSE_BATCHES = (6, 18)
+DENSE_BATCH_REP_MS = 50          # per timing of the dense batches (42 shapes x 4 calls x ROUNDS), as in V68's runs
 ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -879,8 +880,8 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         torch.cuda.empty_cache()
         write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
     dense_batches = bench_dense_batches(QUICK_DENSE_BATCHES if quick else DENSE_BATCHES,
-                                        QUICK_LENGTHS[:1] if quick else DENSE_BATCH_LENGTHS, rep_ms=rep_ms,
-                                        ceiling=ceiling, device=device)
+                                        QUICK_LENGTHS[:1] if quick else DENSE_BATCH_LENGTHS,
+                                        rep_ms=DENSE_BATCH_REP_MS, ceiling=ceiling, device=device)
     write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "dense_batches": dense_batches,
                              "complete": False})
     paged = []
