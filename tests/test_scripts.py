@@ -2,6 +2,7 @@
 to parse costs a GPU session its start-up before it reports anything."""
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,29 @@ def test_gpu_decode_memcheck_program_compiles():
     match = re.search(r"^memcheck_run='\n(.*?)^'$", text, flags=re.S | re.M)
     assert match, "scripts/gpu_decode.sh: no memcheck_run='...' block"
     compile(match.group(1), "memcheck_run", "exec")
+
+
+def test_pack_capture_layer_round_trips_bit_for_bit_and_smaller(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = Path(__file__).resolve().parents[1]
+    torch.manual_seed(0)
+    tensors = {"k": torch.randn(2, 3, 512, 64).to(torch.float16), "v": torch.randn(2, 3, 512, 64).to(torch.bfloat16),
+               "decode_q": torch.randn(2, 9, 64), "positions": torch.arange(7)}
+    layer = tmp_path / "layer_015.safetensors"
+    save_file(tensors, str(layer))
+    packed, unpacked = tmp_path / "layer.xz", tmp_path / "out" / "layer_015.safetensors"
+    for action, source, dest in (("pack", layer, packed), ("unpack", packed, unpacked)):
+        result = subprocess.run([sys.executable, str(root / "scripts" / "pack_capture_layer.py"), action, str(source),
+                                 str(dest)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    back = load_file(str(unpacked))
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8), tensor.view(torch.uint8))
+    assert packed.stat().st_size < 0.8 * layer.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.xz", "layer_015.safetensors", "out"]
+    not_packed = subprocess.run([sys.executable, str(root / "scripts" / "pack_capture_layer.py"), "unpack", str(layer),
+                                 str(tmp_path / "x.safetensors")], capture_output=True, text=True)
+    assert not_packed.returncode != 0 and "is not a layer packed by this script" in not_packed.stderr
