@@ -6,7 +6,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from art_analysis.plots.kernel_speed import kernel_speed_figure, paged_panel  # noqa: E402
+from art_analysis.plots.kernel_speed import dense_batches_panel, kernel_speed_figure, paged_panel  # noqa: E402
 
 
 def _paged_rows():
@@ -32,17 +32,45 @@ def test_paged_panel_draws_each_calls_time_over_the_contiguous_layouts():
     plt.close(fig)
 
 
-def test_the_figure_adds_the_paged_panel_only_when_the_results_have_paged_rows():
+def _dense_batch_rows():
+    rows = []
+    for seqlen in (8192, 32768):
+        for batch in (18, 6):
+            rows.append(dict(batch=batch, seqlen=seqlen, impl="cudnn_sdpa", ms=1.0, speedup_vs_best_peer=1.0))
+            rows.append(dict(batch=batch, seqlen=seqlen, impl="art_dense", ms=1.0,
+                             speedup_vs_best_peer=batch / 20 + seqlen / 2 ** 20))
+            rows.append(dict(batch=batch, seqlen=seqlen, impl="art_dense_bs64_one_wave", ms=1.0,
+                             speedup_vs_best_peer=1.0 + batch / 100))
+    rows.append(dict(batch=2, seqlen=8192, impl="art_dense", error="out of memory"))   # untimed: left out
+    return rows
+
+
+def test_dense_batches_panel_draws_each_plan_over_the_best_peer_against_the_batch():
+    fig, ax = plt.subplots()
+    dense_batches_panel(ax, _dense_batch_rows())
+    drawn = {line.get_label(): (list(line.get_xdata()), [round(y, 4) for y in line.get_ydata()])
+             for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert drawn == {"8k, default plan": ([6, 18], [0.3078, 0.9078]),
+                     "8k, 64-token blocks, one wave": ([6, 18], [1.06, 1.18]),
+                     "32k, default plan": ([6, 18], [0.3312, 0.9312]),
+                     "32k, 64-token blocks, one wave": ([6, 18], [1.06, 1.18]),
+                     "target 0.97x": ([0, 1], [0.97, 0.97])}
+    plt.close(fig)
+
+
+def test_the_figure_adds_the_dense_batches_and_paged_panels_only_when_the_results_have_their_rows():
     rows = [dict(data="synthetic", batch=8, seqlen=seqlen, impl="art_dense", ms=1.0, tb_per_s=4.0)
             for seqlen in (8192, 32768)]
     results = {"rows": rows, "copy_ceiling_tb_per_s": 4.2, "device": "test", "date": "2026-12-02"}
     titles = []
-    for paged in ([], _paged_rows()):
-        fig = kernel_speed_figure({**results, "paged": paged})
+    for extra in ({"paged": []}, {"paged": _paged_rows()}, {"dense_batches": _dense_batch_rows(), "paged": _paged_rows()}):
+        fig = kernel_speed_figure({**results, **extra})
         titles.append([ax.get_title() for ax in fig.axes])
         plt.close(fig)
     assert titles == [["S = 8k", "S = 32k", "ART: time against traffic"],
-                      ["S = 8k", "S = 32k", "paged layout (shuffled pages)", "ART: time against traffic"]]
+                      ["S = 8k", "S = 32k", "paged layout (shuffled pages)", "ART: time against traffic"],
+                      ["S = 8k", "S = 32k", "dense, batches between the grid's", "paged layout (shuffled pages)",
+                       "ART: time against traffic"]]
 
 
 def test_the_title_says_how_the_run_emptied_the_l2():

@@ -55,6 +55,31 @@ def paged_panel(ax, paged: list[dict]) -> None:
     ax.legend(fontsize=6, ncol=2, loc="upper left")
 
 
+DENSE_BATCH_STYLES = {"art_dense": dict(linestyle="-", marker="^", label="default plan"),
+                      "art_dense_bs64_one_wave": dict(linestyle="--", marker="x", label="64-token blocks, one wave")}
+
+
+def dense_batches_panel(ax, rows: list[dict]) -> None:
+    """The dense calls at batch sizes off the main grid (``kernels.bench.bench_dense_batches``): each call's throughput
+    over the best peer's (``speedup_vs_best_peer``) against the batch, one colour per length and one line style per
+    plan, with the dense target (``kernels.bench.DENSE_TARGET``); a row without a time is left out."""
+    from kernels.bench import DENSE_TARGET
+
+    timed = [r for r in rows if r["impl"] in DENSE_BATCH_STYLES and "speedup_vs_best_peer" in r]
+    for color, seqlen in zip(("tab:blue", "tab:red", "tab:green"), sorted({r["seqlen"] for r in timed})):
+        for impl, style in DENSE_BATCH_STYLES.items():
+            sub = sorted((r for r in timed if r["seqlen"] == seqlen and r["impl"] == impl), key=lambda r: r["batch"])
+            if sub:
+                ax.plot([r["batch"] for r in sub], [r["speedup_vs_best_peer"] for r in sub], color=color,
+                        markersize=4, **{**style, "label": f"{seqlen // 1024}k, {style['label']}"})
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.axhline(DENSE_TARGET, color="red", linewidth=0.8, linestyle=":", label=f"target {DENSE_TARGET}x")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("throughput over the best peer's")
+    ax.set_title("dense, batches between the grid's")
+    ax.legend(fontsize=6, loc="lower right")
+
+
 def plot_kernel_speed(results: dict, path: str | Path) -> Path:
     """Write :func:`kernel_speed_figure` of ``results`` to ``path`` (and a PDF beside a PNG); returns ``path``."""
     return save_figure(kernel_speed_figure(results), path)
@@ -62,20 +87,22 @@ def plot_kernel_speed(results: dict, path: str | Path) -> Path:
 
 def kernel_speed_figure(results: dict):
     """One throughput panel per sequence length (synthetic 32/8 heads, D=128; log scale, the ART
-    rows as the whole cache's bytes over their time), where the results have paged rows a panel of their
-    time over the contiguous layout's (:func:`paged_panel`), and a panel of ART time / dense time
+    rows as the whole cache's bytes over their time), where the results have them a panel of the dense calls at
+    batch sizes off the grid (:func:`dense_batches_panel`) and one of the paged rows' time over the contiguous
+    layout's (:func:`paged_panel`), and a panel of ART time / dense time
     against the loaded fraction, with the target ``1.15 x fraction`` and, where the results have
     them, the rows' latency floors (``kernels.bench``: the longest leader walk at the time per block
     of a lone walk), walk models and the dense kernel's time over the same walks (``walks_dense_ms``)."""
     rows = [r for r in results["rows"] if "ms" in r]
     synthetic = [r for r in rows if r["data"] == "synthetic"]
     lengths = sorted({r["seqlen"] for r in synthetic})
-    paged = results.get("paged") or []
-    panels = len(lengths) + 1 + bool(paged)
+    extra = [(draw, part) for draw, part in ((dense_batches_panel, results.get("dense_batches")),
+                                             (paged_panel, results.get("paged"))) if part]
+    panels = len(lengths) + len(extra) + 1
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
     axes = axes[0]
-    if paged:
-        paged_panel(axes[-2], paged)
+    for ax, (draw, part) in zip(axes[len(lengths):], extra):
+        draw(ax, part)
     ceiling = results["copy_ceiling_tb_per_s"]
     for ax, seqlen in zip(axes, lengths):
         for impl, style in IMPL_STYLES.items():
