@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import os
 import platform
@@ -106,7 +107,7 @@ from .device_info import clock_and_power, num_sms
 from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
-from .results_io import input_file_record, source_revision, write_json_atomic
+from .results_io import input_file_record, latest_result, source_revision, write_json_atomic
 from .split_plan import MAX_SPLITS, MIN_STEPS_PER_SPLIT, SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
 from .walk_model import shared_bandwidth_ms
 
@@ -132,6 +133,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
 MONITOR_OVERHEAD_TARGET = 0.01
 DENSE_TARGET = 0.97              # dense over the best peer's throughput, B >= 16
+# what a resumed run must share with the run it continues (kernels.bench.run(resume=True))
+RESUME_FIELDS = ("suite", "device", "sm_count", "versions", "source", "quick", "art", "l2_flush", "capture_file")
 # timed after do_bench's memset as well (kernels.l2_flush): the time bound's rows, under either flush
 MEMSET_FLUSH_IMPLS = ("art", "art_calibrated", "art_dense")
 # programs of 64-token blocks at D = 128 that one multiprocessor holds at the launcher's 2 stages (shared memory,
@@ -429,18 +432,23 @@ def one_wave_small_block_splits(pairs: int, blocks: int, sms: int) -> int:
 
 
 def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device: torch.device,
-                        rounds: int = ROUNDS) -> list[dict]:
+                        rounds: int = ROUNDS, rows: list[dict] | None = None,
+                        progress: Callable[[], None] | None = None) -> list[dict]:
     """The dense plan against cuDNN and flash SDPA at batch sizes off the main grid, where the programs fill the
     multiprocessors unevenly: ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
     ``art_dense`` and ``art_dense_bs64_one_wave`` (the candidate plan: 64-token blocks at
     :func:`one_wave_small_block_splits`) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
-    its block size and split count."""
-    rows = []
+    its block size and split count.  ``rows``: a list to extend (default a new one), whose shapes are already timed
+    and are skipped; ``progress``: called after each shape (e.g. to save the rows so far)."""
+    rows = [] if rows is None else rows
+    timed = {(r["batch"], r["seqlen"]) for r in rows}
     for seqlen in lengths:
-        for batch in tqdm(batches, desc=f"dense batches, S={seqlen}"):
+        for batch in tqdm([b for b in batches if (b, seqlen) not in timed], desc=f"dense batches, S={seqlen}"):
             rows += _dense_batch_rows(batch, seqlen, rep_ms, ceiling, device, rounds)
             torch.cuda.empty_cache()
+            if progress is not None:
+                progress()
     return rows
 
 
@@ -811,7 +819,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
 
 
 def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: Callable,
-        capture: str | os.PathLike | None = None, replay: Callable | None = None) -> dict:
+        capture: str | os.PathLike | None = None, replay: Callable | None = None, resume: bool = False) -> dict:
     """Run the decode benchmark and write ``<out_dir>/<date>-art-decode.json``; returns the payload.
 
     ``quick``: B in {1, 32} x S in {8k, 32k} and no FlexAttention (a smoke run).
@@ -821,6 +829,12 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
     (``replay(q, k, v) -> [B, Hkv]`` blocks, e.g. ``art_analysis.termination.replay_kernel_walks`` with the
     same rule): the kernel's walks on each length's distinct sequences are compared with it
     (:func:`stop_agreement`, ``stop_agreement`` in the payload and the summary).
+
+    The file is rewritten after every shape, marked ``"complete": false`` until the end.  ``resume``: continue the
+    newest result in ``out_dir`` where it is such an incomplete run of the same settings (``RESUME_FIELDS``: device,
+    software, code, thresholds, capture, quick): its copy ceiling, lone walks, stop agreement and finished shapes
+    are kept and only the shapes it lacks are timed (a run cut short, e.g. by a time limit, finishes in a second
+    call); a complete run of the same settings is returned as it is.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("the decode benchmark needs a CUDA device")
@@ -828,11 +842,9 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
     device = torch.device("cuda")
     rep_ms = 50 if quick else 100
-    ceiling = copy_ceiling_tb_per_s(device)
     batches, lengths = (QUICK_BATCHES, QUICK_LENGTHS) if quick else (BATCHES, LENGTHS)
-    payload = {
+    settings = {
         "suite": "decode",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
@@ -840,30 +852,50 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         "source": source_revision(),
         "quick": quick,
         "art": dataclasses.asdict(art),
-        "copy_ceiling_tb_per_s": ceiling,
         "l2_flush": "read",
         "capture_file": input_file_record(capture) if capture is not None else None,
     }
+    path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json"
+    previous: dict = {}
+    if resume:
+        found, earlier = resumable_run(out_dir, settings)
+        if earlier is not None and earlier.get("complete"):
+            print(f"{found}: a complete run of these settings; nothing left to run")
+            return earlier
+        if earlier is not None:
+            path, previous = found, earlier
+            print(f"{found}: continuing its run ({len(earlier.get('rows') or [])} rows)")
+    ceiling = previous.get("copy_ceiling_tb_per_s") or copy_ceiling_tb_per_s(device)
+    payload = {"suite": settings["suite"],
+               "date": previous.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               **settings, "copy_ceiling_tb_per_s": ceiling}
     cases = [("synthetic", b, s) for s in lengths for b in batches
              if 2 * b * KV_HEADS * s * HEAD_DIM * 2 <= MAX_KV_BYTES]
     if capture is not None:
         cases += [("smollm2_layer15_tiled", b, s) for s in lengths for b in (QUICK_BATCHES if quick else CAPTURE_BATCHES)]
     payload["skipped"] = [dict(batch=b, seqlen=s, reason=f"KV cache over {MAX_KV_BYTES / 2 ** 30:.0f} GiB")
                           for s in lengths for b in batches if 2 * b * KV_HEADS * s * HEAD_DIM * 2 > MAX_KV_BYTES]
-    path = Path(out_dir) / f"{datetime.date.today().isoformat()}-art-decode.json"
     lone_inputs = {"synthetic": lambda seqlen: tile_batch(structured_sequences(make_cache, seqlen, device), 1)}
     if capture is not None:
         lone_inputs["smollm2_layer15_tiled"] = lambda seqlen: tiled_capture(capture, 1, seqlen, device)
-    payload["lone_walk"] = {data: lone_walk_latency(make_qkv, rep_ms)
-                            for data, make_qkv in tqdm(lone_inputs.items(), desc="lone walk")}
-    if replay is not None:
+    payload["lone_walk"] = previous.get("lone_walk") or {
+        data: lone_walk_latency(make_qkv, rep_ms) for data, make_qkv in tqdm(lone_inputs.items(), desc="lone walk")}
+    if previous.get("stop_agreement"):
+        payload["stop_agreement"] = previous["stop_agreement"]
+    elif replay is not None:
         kinds = ("synthetic",) + (("smollm2_layer15_tiled",) if capture is not None else ())
         payload["stop_agreement"] = [
             {"data": data, "seqlen": seqlen,
              **stop_agreement(*distinct_inputs(data, seqlen, device, make_cache, capture), art, replay)}
             for data, seqlen in tqdm([(d, s) for d in kinds for s in lengths], desc="stop agreement")]
-    rows, study, sequences = [], [], {}
-    for data, batch, seqlen in tqdm(cases, desc="decode bench"):
+    sections = {name: list(previous.get(name) or []) for name in ("rows", "split_study", "dense_batches", "paged")}
+
+    def save(complete: bool = False) -> None:
+        write_json_atomic(path, {**payload, **sections, "complete": complete})
+
+    rows, study, sequences = sections["rows"], sections["split_study"], {}
+    timed = {(r["data"], r["batch"], r["seqlen"]) for r in rows}
+    for data, batch, seqlen in tqdm([case for case in cases if case not in timed], desc="decode bench"):
         if data == "synthetic":
             if seqlen not in sequences:
                 sequences = {seqlen: structured_sequences(make_cache, seqlen, device)}
@@ -878,22 +910,43 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
             study += [{"data": data, **r} for r in split_study(q, k, v, art=art, rep_ms=rep_ms)]
         del q, k, v
         torch.cuda.empty_cache()
-        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "complete": False})
-    dense_batches = bench_dense_batches(QUICK_DENSE_BATCHES if quick else DENSE_BATCHES,
-                                        QUICK_LENGTHS[:1] if quick else DENSE_BATCH_LENGTHS,
-                                        rep_ms=DENSE_BATCH_REP_MS, ceiling=ceiling, device=device)
-    write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "dense_batches": dense_batches,
-                             "complete": False})
-    paged = []
-    for batch, seqlen in tqdm(QUICK_PAGED_CASES if quick else PAGED_CASES, desc="paged layout"):
+        save()
+    bench_dense_batches(QUICK_DENSE_BATCHES if quick else DENSE_BATCHES,
+                        QUICK_LENGTHS[:1] if quick else DENSE_BATCH_LENGTHS, rep_ms=DENSE_BATCH_REP_MS,
+                        ceiling=ceiling, device=device, rows=sections["dense_batches"], progress=save)
+    paged = sections["paged"]
+    timed = {(r["batch"], r["seqlen"]) for r in paged}
+    for batch, seqlen in tqdm([case for case in (QUICK_PAGED_CASES if quick else PAGED_CASES) if case not in timed],
+                              desc="paged layout"):
         q, k, v = tile_batch(structured_sequences(make_cache, seqlen, device), batch)
         paged += bench_paged(q, k, v, art=art, rep_ms=rep_ms, ceiling=ceiling)
         del q, k, v
         torch.cuda.empty_cache()
-        write_json_atomic(path, {**payload, "rows": rows, "split_study": study, "dense_batches": dense_batches,
-                                 "paged": paged, "complete": False})
-    payload.update(rows=rows, split_study=study, dense_batches=dense_batches, paged=paged, complete=True,
+        save()
+    payload.update(sections, complete=True,
                    summary={**summarise(rows, ceiling, payload["lone_walk"], payload.get("stop_agreement")),
-                            **dense_batches_summary(dense_batches), **paged_summary(paged)})
+                            **dense_batches_summary(sections["dense_batches"]), **paged_summary(paged)})
     write_json_atomic(path, payload)
     return payload
+
+
+def resumable_run(out_dir: str | os.PathLike, settings: dict) -> tuple[Path | None, dict | None]:
+    """The newest decode result in ``out_dir`` (``kernels.results_io.latest_result``) and its payload, where it is
+    a run of ``settings`` (equal in every ``RESUME_FIELDS`` entry); ``(None, None)`` where there is none or the newest
+    is a complete run of other settings.  An incomplete run of other settings is an error: continuing it would mix
+    two settings' rows in one file, and starting afresh on the same date would overwrite its rows."""
+    found = latest_result("art-decode", out_dir)
+    if found is None:
+        return None, None
+    try:
+        earlier = json.loads(found.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{found} is not valid JSON ({exc}): it cannot be continued; move it aside") from None
+    wanted = json.loads(json.dumps({field: settings.get(field) for field in RESUME_FIELDS}))
+    differ = [field for field in RESUME_FIELDS if earlier.get(field) != wanted[field]]
+    if earlier.get("complete"):
+        return (found, earlier) if not differ else (None, None)
+    if differ:
+        raise ValueError(f"{found} is an incomplete run with other settings ({', '.join(differ)} differ): this run "
+                         "cannot continue it; move it aside to start afresh")
+    return found, earlier

@@ -13,7 +13,8 @@
 #   python scripts/pack_capture_layer.py pack captures/smollm2-8k/layer_015.safetensors .carry/layer15.xz
 # and on the GPU machine, before this script:
 #   python3 scripts/pack_capture_layer.py unpack .carry/layer15.xz .carry/smollm2_layer15_ctx8192.safetensors
-# The run ends with `art-analysis bench-compare` of its result against the newest committed one.
+# The run ends with `art-analysis bench-compare` of its result against the newest committed one. A run cut short
+# (the JSON says "complete": false) is finished by a second call with RESUME_FROM=<that JSON> (bench --resume).
 # The JSON names the commit it measured (``source``): from git in a checkout; on a copy of the tree without its
 # history, from ART_SOURCE_COMMIT (e.g. ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made).
 set -uo pipefail
@@ -103,6 +104,10 @@ extra=()
 baseline=$(ls benchmarks/results/*-art-decode.json 2>/dev/null | sort | tail -n 1)
 baseline_dir=$(mktemp -d)
 [ -n "$baseline" ] && cp "$baseline" "$baseline_dir/"
+# RESUME_FROM=<an incomplete *-art-decode.json of an earlier call>: its shapes are kept and only the rest are timed
+if [ -n "${RESUME_FROM:-}" ]; then
+    cp "$RESUME_FROM" "$out_dir/" && extra+=(--resume)
+fi
 cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
 cli bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 | tee "$out_dir/decode_bench.log"
 new_result=$(ls "$out_dir"/*-art-decode.json 2>/dev/null | sort | tail -n 1)

@@ -1,6 +1,8 @@
 """The decode benchmark's byte model, loaded-block accounting and target summary (CPU, no timing)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -760,3 +762,101 @@ def test_target_rows_state_each_target_of_a_run_and_whether_it_was_met(capsys):
     _print_summaries({"decode": summary})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "decode targets:" and printed[-1].endswith("no") and "15 of 26 rows" in printed[-1]
+
+
+class _Interrupted(Exception):
+    """Stands for the time limit that cuts a benchmark run short."""
+
+
+def _fake_device_run(monkeypatch, fail_at_case: int | None = None) -> dict:
+    """Make :func:`kernels.bench.run` run on the CPU with fake measurements; returns the counts of what it measured
+    (``cases``: the shapes timed in order; ``ceiling``, ``lone``: measurements made).  ``fail_at_case``: the shape
+    count at which the main grid's timing raises :class:`_Interrupted`."""
+    import types
+
+    import kernels.bench as bench
+
+    calls = {"cases": [], "ceiling": 0, "lone": 0, "dense_batches": [], "paged": []}
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "source_revision", lambda: {"commit": "abc", "modified": False, "from": "git"})
+
+    def ceiling(device):
+        calls["ceiling"] += 1
+        return 4.0
+
+    def lone(make_qkv, rep_ms):
+        calls["lone"] += 1
+        return {"step_us": 1.2, "fixed_us": 5.0}
+
+    def shape(q, k, v, *, data, **kwargs):
+        if fail_at_case is not None and len(calls["cases"]) == fail_at_case:
+            raise _Interrupted
+        calls["cases"].append((data, q.shape[0], k.shape[2]))
+        return [dict(data=data, batch=q.shape[0], seqlen=k.shape[2], impl="art_dense", ms=1.0)]
+
+    def dense_rows(batch, seqlen, rep_ms, ceiling, device, rounds):
+        calls["dense_batches"].append((batch, seqlen, rep_ms))
+        return [dict(batch=batch, seqlen=seqlen, impl="art_dense", ms=1.0, speedup_vs_best_peer=1.0, num_splits=1)]
+
+    def paged(q, k, v, **kwargs):
+        calls["paged"].append((q.shape[0], k.shape[2]))
+        return [dict(batch=q.shape[0], seqlen=k.shape[2], impl="art_dense", page_size=16, ms=1.0)]
+
+    monkeypatch.setattr(bench, "copy_ceiling_tb_per_s", ceiling)
+    monkeypatch.setattr(bench, "lone_walk_latency", lone)
+    monkeypatch.setattr(bench, "structured_sequences", lambda make_cache, seqlen, device: (
+        torch.zeros(2, 4, 1), torch.zeros(2, 2, seqlen, 1), torch.zeros(2, 2, seqlen, 1)))
+    monkeypatch.setattr(bench, "bench_shape", shape)
+    monkeypatch.setattr(bench, "split_study", lambda q, k, v, **kwargs: [])
+    monkeypatch.setattr(bench, "_dense_batch_rows", dense_rows)
+    monkeypatch.setattr(bench, "bench_paged", paged)
+    return calls
+
+
+def test_a_run_cut_short_is_finished_by_a_resumed_run_that_times_only_the_missing_shapes(monkeypatch, tmp_path):
+    import kernels.bench as bench
+
+    art = ARTParams()
+    calls = _fake_device_run(monkeypatch, fail_at_case=2)
+    with pytest.raises(_Interrupted):
+        bench.run(tmp_path, True, art=art, make_cache=None)
+    [path] = tmp_path.glob("*-art-decode.json")
+    cut = json.loads(path.read_text())
+    assert cut["complete"] is False and len(cut["rows"]) == 2 and cut["copy_ceiling_tb_per_s"] == 4.0
+    first_cases = list(calls["cases"])
+
+    calls = _fake_device_run(monkeypatch)
+    payload = bench.run(tmp_path, True, art=art, make_cache=None, resume=True)
+    assert calls["ceiling"] == 0 and calls["lone"] == 0, "the earlier run's ceiling and lone walks are kept"
+    every_case = [("synthetic", b, s) for s in bench.QUICK_LENGTHS for b in bench.QUICK_BATCHES]
+    assert first_cases + calls["cases"] == every_case
+    assert [(r["data"], r["batch"], r["seqlen"]) for r in payload["rows"]] == every_case
+    assert calls["dense_batches"] == [(b, 8192, bench.DENSE_BATCH_REP_MS) for b in bench.QUICK_DENSE_BATCHES]
+    assert calls["paged"] == list(bench.QUICK_PAGED_CASES)
+    assert payload["complete"] is True and "summary" in payload and payload["date"] == cut["date"]
+    assert json.loads(path.read_text()) == json.loads(json.dumps(payload))
+    assert list(tmp_path.glob("*-art-decode.json")) == [path]
+
+    # resumed once more, the complete run is returned as it is, nothing timed
+    calls = _fake_device_run(monkeypatch)
+    assert bench.run(tmp_path, True, art=art, make_cache=None, resume=True)["rows"] == payload["rows"]
+    assert calls["cases"] == [] and calls["ceiling"] == 0
+
+
+def test_a_resumed_run_refuses_an_incomplete_run_of_other_settings(monkeypatch, tmp_path):
+    import kernels.bench as bench
+
+    _fake_device_run(monkeypatch, fail_at_case=1)
+    with pytest.raises(_Interrupted):
+        bench.run(tmp_path, True, art=ARTParams(), make_cache=None)
+    calls = _fake_device_run(monkeypatch)
+    with pytest.raises(ValueError, match="incomplete run with other settings \\(art differ\\)"):
+        bench.run(tmp_path, True, art=ARTParams(tau=0.02), make_cache=None, resume=True)
+    assert calls["cases"] == [] and calls["ceiling"] == 0
+    # without resume the run starts afresh (and replaces the file of the same date)
+    payload = bench.run(tmp_path, True, art=ARTParams(tau=0.02), make_cache=None)
+    assert calls["ceiling"] == 1 and payload["complete"] and payload["art"]["tau"] == 0.02

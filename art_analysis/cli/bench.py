@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     parser.add_argument("--figure", type=Path, default=Path("figures/kernel_speed.png"),
                         help="decode speed figure")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--resume", action="store_true",
+                        help="decode: continue the newest result in --out where it is an incomplete run of the same "
+                             "settings (device, software, code, thresholds, capture), timing only the shapes it lacks")
     parser.add_argument("--capture", type=Path, default=None,
                         help="decode: a captured layer to benchmark tiled to length: a layer_NNN.safetensors file "
                              "(k, v, decode_q) of a capture folder, e.g. of `art-analysis capture --dtype float16`")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         from ..termination import replay_kernel_walks
 
         payload = run_decode(args.out, args.quick, art=config.kernel_params(), make_cache=synthetic_cache,
-                             capture=args.capture, replay=functools.partial(replay_kernel_walks, rule=config))
+                             capture=args.capture, replay=functools.partial(replay_kernel_walks, rule=config),
+                             resume=args.resume)
         plot_kernel_speed(payload, args.figure)
         summaries["decode"] = payload["summary"]
     if args.suite == "decode-loop" or (args.suite == "all" and args.capture is not None):
