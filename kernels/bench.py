@@ -28,9 +28,9 @@ measures:
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
   split counts and block sizes 64 / 128;
-* the dense default at batch sizes off the grid (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``,
-  where the programs fill the multiprocessors unevenly) against cuDNN and flash SDPA, and a candidate plan beside
-  it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing over ``DENSE_BATCH_REP_MS``
+* the dense default at batch sizes off the grid, where the programs fill the multiprocessors unevenly, and at the
+  grid's up to 64 (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``) against cuDNN and flash SDPA,
+  and a candidate plan beside it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing over ``DENSE_BATCH_REP_MS``
   (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
@@ -123,7 +123,8 @@ PAGED_CASES = ((8, 32768), (32, 32768), (128, 8192))
 QUICK_PAGED_CASES = ((32, 8192),)
 PAGE_SIZES = (16, 64)
 LONE_WALK_LENGTHS = (8192, 32768)
-DENSE_BATCHES = (2, 3, 4, 6, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 34, 36, 40, 44, 48, 56)
+# between the grid's batch sizes, and the grid's 8, 32 and 64 beside them (the one-wave candidate reaches B = 82)
+DENSE_BATCHES = (2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 40, 44, 48, 56, 64)
 DENSE_BATCH_LENGTHS = (8192, 32768)
 QUICK_DENSE_BATCHES = (6, 18)
 DENSE_BATCH_REP_MS = 50          # per timing of the dense batches (42 shapes x 4 calls x ROUNDS), as in V68's runs
@@ -435,7 +436,7 @@ def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device
                         rounds: int = ROUNDS, rows: list[dict] | None = None,
                         progress: Callable[[], None] | None = None) -> list[dict]:
     """The dense plan against cuDNN and flash SDPA at batch sizes off the main grid, where the programs fill the
-    multiprocessors unevenly: ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
+    multiprocessors unevenly (and at some of the grid's, beside them): ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
     ``art_dense`` and ``art_dense_bs64_one_wave`` (the candidate plan: 64-token blocks at
     :func:`one_wave_small_block_splits`) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
