@@ -30,8 +30,8 @@ measures:
   split counts and block sizes 64 / 128;
 * the dense default at batch sizes off the grid, where the programs fill the multiprocessors unevenly, and at the
   grid's up to 64 (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``) against cuDNN and flash SDPA,
-  and a candidate plan beside it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing over ``DENSE_BATCH_REP_MS``
-  (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
+  and a candidate plan beside it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing
+  over ``DENSE_BATCH_REP_MS`` (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
   (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
