@@ -436,7 +436,8 @@ def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device
                         rounds: int = ROUNDS, rows: list[dict] | None = None,
                         progress: Callable[[], None] | None = None) -> list[dict]:
     """The dense plan against cuDNN and flash SDPA at batch sizes off the main grid, where the programs fill the
-    multiprocessors unevenly (and at some of the grid's, beside them): ``B`` in ``batches`` x ``S`` in ``lengths``, ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
+    multiprocessors unevenly (and at some of the grid's, beside them): ``B`` in ``batches`` x ``S`` in ``lengths``,
+    ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
     ``art_dense`` and ``art_dense_bs64_one_wave`` (the candidate plan: 64-token blocks at
     :func:`one_wave_small_block_splits`) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
@@ -867,9 +868,9 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
             path, previous = found, earlier
             print(f"{found}: continuing its run ({len(earlier.get('rows') or [])} rows)")
     ceiling = previous.get("copy_ceiling_tb_per_s") or copy_ceiling_tb_per_s(device)
-    payload = {"suite": settings["suite"],
-               "date": previous.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               **settings, "copy_ceiling_tb_per_s": ceiling}
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    payload = {"suite": settings["suite"], "date": previous.get("date") or started, **settings,
+               "copy_ceiling_tb_per_s": ceiling}
     cases = [("synthetic", b, s) for s in lengths for b in batches
              if 2 * b * KV_HEADS * s * HEAD_DIM * 2 <= MAX_KV_BYTES]
     if capture is not None:

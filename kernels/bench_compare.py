@@ -41,8 +41,8 @@ PLAN_FIELDS = ("block_size", "num_splits", "follow_step", "pair_split_threshold"
 HEADLINES = {
     "decode": ("copy_ceiling_tb_per_s", "dense_over_best_peer_throughput_b16plus_min",
                "dense_over_best_peer_throughput_b16plus_median", "monitor_overhead_max",
-               "monitor_overhead_rows_over_target", "art_rows_meeting_time_bound", "art_calibrated_rows_meeting_time_bound",
-               "art_rows", "dense_batches_b16plus_min", "dense_batches_b16plus_below_target",
+               "monitor_overhead_rows_over_target", "art_rows_meeting_time_bound",
+               "art_calibrated_rows_meeting_time_bound", "art_rows", "dense_batches_b16plus_min", "dense_batches_b16plus_below_target",
                "paged_art_over_contiguous_max"),
     "decode-loop": ("default_over_dense", "previous_step_over_dense", "calibrated_over_dense", "on_demand_over_dense"),
     "flexprefill": ("estimate_ms_at_128k_max", "kernel_ms_per_tile_over_sdpa_max_at_target_gammas",

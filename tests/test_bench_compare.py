@@ -89,7 +89,8 @@ def test_notes_name_what_differs_besides_the_code_and_repeated_calls_are_left_ou
     comparison = compare_runs(base, new, base_name="a.json", new_name="b.json")
     assert [(e["batch"], e["change"]) for e in comparison["rows"]["rows"]] == [(32, "same")]
     assert comparison["notes"] == ["versions differ: {'torch': '2.11'} -> {'torch': '2.12'}",
-                                   "quick differ: False -> True", "b.json is an incomplete run (its summary may be missing)",
+                                   "quick differ: False -> True",
+                                   "b.json is an incomplete run (its summary may be missing)",
                                    "a.json rows: 1 calls timed in several rows, left out"]
 
 
@@ -144,7 +145,8 @@ def test_two_committed_decode_runs_compare_every_call_both_timed():
 
 
 def _key(row: dict, section: str) -> tuple:
-    fields = {"rows": ("data", "batch", "seqlen", "head_dim", "impl"), "paged": ("batch", "seqlen", "impl", "page_size"),
+    fields = {"rows": ("data", "batch", "seqlen", "head_dim", "impl"),
+              "paged": ("batch", "seqlen", "impl", "page_size"),
               "split_study": ("batch", "seqlen", "impl", "block_size", "num_splits")}[section]
     return tuple(row.get(f) for f in fields) + ((row.get("data"),) if section != "rows" else ())
 

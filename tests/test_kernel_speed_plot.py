@@ -63,7 +63,8 @@ def test_the_figure_adds_the_dense_batches_and_paged_panels_only_when_the_result
             for seqlen in (8192, 32768)]
     results = {"rows": rows, "copy_ceiling_tb_per_s": 4.2, "device": "test", "date": "2026-12-02"}
     titles = []
-    for extra in ({"paged": []}, {"paged": _paged_rows()}, {"dense_batches": _dense_batch_rows(), "paged": _paged_rows()}):
+    for extra in ({"paged": []}, {"paged": _paged_rows()},
+                  {"dense_batches": _dense_batch_rows(), "paged": _paged_rows()}):
         fig = kernel_speed_figure({**results, **extra})
         titles.append([ax.get_title() for ax in fig.axes])
         plt.close(fig)

@@ -34,8 +34,8 @@ def _calls(entries: list[dict], key_fields: tuple[str, ...]) -> list[str]:
     ``method`` last."""
     named = [field for field in key_fields if field not in ("impl", "method")
              and len({entry.get(field) for entry in entries}) > 1]
-    return [" ".join([*(f"{field}={entry.get(field)}" for field in named), str(entry.get("impl") or entry.get("method"))])
-            for entry in entries]
+    return [" ".join([*(f"{field}={entry.get(field)}" for field in named),
+                      str(entry.get("impl") or entry.get("method"))]) for entry in entries]
 
 
 def _source(header: dict) -> str:
