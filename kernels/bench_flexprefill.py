@@ -258,6 +258,27 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
+def target_rows(summary: dict) -> list[dict]:
+    """The targets as ``{"target", "measured", "met"}`` rows of a run's ``summary`` (:func:`summarise`; ``met`` is
+    ``None`` where the run did not measure the target, e.g. a quick run without 128k)."""
+    estimate, per_tile = summary.get("estimate_ms_at_128k_max"), summary.get(
+        "kernel_ms_per_tile_over_sdpa_max_at_target_gammas")
+    calls, beating = summary.get("calls_with_at_most_30pct_kept"), summary.get(
+        "calls_with_at_most_30pct_kept_beating_sdpa")
+    gammas = "/".join(str(g) for g in summary.get("target_gammas", TARGET_GAMMAS))
+    return [
+        {"target": f"estimation at 128k <= {summary['estimate_target_ms']:g} ms",
+         "measured": "not measured" if estimate is None else f"max {estimate:.2f} ms",
+         "met": None if estimate is None else estimate <= summary["estimate_target_ms"]},
+        {"target": f"sparse kernel per computed tile <= {summary['kernel_per_tile_target']:g}x SDPA, gamma {gammas}",
+         "measured": "not measured" if per_tile is None else f"max {per_tile:.2f}x",
+         "met": None if per_tile is None else per_tile <= summary["kernel_per_tile_target"]},
+        {"target": "full call faster than SDPA with <= 30% of tiles kept",
+         "measured": "not measured" if not calls else f"{beating} of {calls} calls",
+         "met": None if not calls else beating == calls},
+    ]
+
+
 def run(out_dir: Path, quick: bool, *, capture: str | os.PathLike | None = None, capture_layer: int = 15,
         sweep_configs: bool = False) -> dict:
     """Run the benchmark and write ``<out_dir>/<date>-flexprefill.json``; returns the payload.

@@ -30,3 +30,26 @@ def test_summary_reports_the_per_tile_target_at_the_target_gammas_and_over_all()
     assert summary["target_gammas"] == list(TARGET_GAMMAS)
     assert summary["calls_with_at_most_30pct_kept"] == 2
     assert summary["calls_with_at_most_30pct_kept_beating_sdpa"] == 1
+
+
+def test_target_rows_state_each_target_and_whether_it_was_met(capsys):
+    from art_analysis.cli.bench import _print_summaries
+    from kernels.bench_flexprefill import target_rows
+
+    rows = [
+        {"method": "estimate", "data": "structured", "seqlen": 131072, "gamma": 0.9, "ms": 4.2},
+        sparse_row(TARGET_GAMMAS[0], 1.05), sparse_row(TARGET_GAMMAS[1], 1.1),
+        {"method": "flexprefill", "data": "structured", "seqlen": 32768, "kept_fraction": 0.2, "speedup_vs_sdpa": 3.0},
+        {"method": "flexprefill", "data": "structured", "seqlen": 65536, "kept_fraction": 0.3, "speedup_vs_sdpa": 0.9},
+    ]
+    summary = summarise(rows)
+    targets = target_rows(summary)
+    assert [(t["measured"], t["met"]) for t in targets] == [
+        ("max 4.20 ms", True), ("max 1.10x", True), ("1 of 2 calls", False)]
+    assert targets[1]["target"] == "sparse kernel per computed tile <= 1.2x SDPA, gamma 0.9/0.95"
+    # a quick run measures no 128k estimate and no 32k call
+    quick = summarise([r for r in rows if r["method"] not in ("estimate", "flexprefill")])
+    assert [t["met"] for t in target_rows(quick)] == [None, True, None]
+    _print_summaries({"flexprefill": summary})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "flexprefill targets:" and printed[-1].endswith("no") and "1 of 2 calls" in printed[-1]

@@ -79,16 +79,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summaries(summaries: dict) -> None:
-    """Each suite's summary, the decode suite's targets last as a short table (the JSON holds every number)."""
-    from kernels.bench import target_rows
-
+    """Each suite's summary: the decode loop's as JSON, then the decode and FlexPrefill targets as short tables,
+    last (the JSON results hold every number)."""
     from ..table import format_table
 
-    for suite, summary in summaries.items():
-        if suite != "decode":
-            print(f"{suite}: {json.dumps(summary, indent=1)}")
-    if "decode" in summaries:
-        rows = [{**row, "met": {True: "yes", False: "no", None: "-"}[row["met"]]}
-                for row in target_rows(summaries["decode"])]
-        print("decode targets:")
-        print(format_table(rows, ("target", "measured", "met")))
+    if "decode-loop" in summaries:
+        print(f"decode-loop: {json.dumps(summaries['decode-loop'], indent=1)}")
+    for suite, module in (("decode", "kernels.bench"), ("flexprefill", "kernels.bench_flexprefill")):
+        if suite in summaries:
+            target_rows = importlib.import_module(module).target_rows
+            rows = [{**row, "met": {True: "yes", False: "no", None: "-"}[row["met"]]}
+                    for row in target_rows(summaries[suite])]
+            print(f"{suite} targets:")
+            print(format_table(rows, ("target", "measured", "met")))
