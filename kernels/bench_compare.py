@@ -98,6 +98,12 @@ def _plan_change(base: dict, new: dict, key_fields: tuple[str, ...]) -> str:
     return ", ".join(changes)
 
 
+def _timed_ms(row: dict) -> float | None:
+    """A row's time, where it holds a positive finite one (a row that recorded an error holds none)."""
+    ms = row.get("ms")
+    return float(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 < ms < math.inf else None
+
+
 def compare_rows(base_rows: dict[tuple, dict], new_rows: dict[tuple, dict], fields: tuple[str, ...],
                  threshold: float) -> list[dict]:
     """One entry per call timed in both runs: its key fields, ``base_ms``, ``new_ms``, ``ratio`` (new over base),
@@ -107,16 +113,17 @@ def compare_rows(base_rows: dict[tuple, dict], new_rows: dict[tuple, dict], fiel
     for key in base_rows.keys() & new_rows.keys():
         base, new = base_rows[key], new_rows[key]
         entry = {**dict(zip(fields, key)), "plan": _plan_change(base, new, fields)}
-        if "ms" not in base or "ms" not in new:
-            if "ms" in base or "ms" in new:
-                entries.append({**entry, "base_ms": base.get("ms"), "new_ms": new.get("ms"), "change": "error",
+        base_ms, new_ms = _timed_ms(base), _timed_ms(new)
+        if base_ms is None or new_ms is None:
+            if base_ms is not None or new_ms is not None:
+                entries.append({**entry, "base_ms": base_ms, "new_ms": new_ms, "change": "error",
                                 "error": base.get("error") or new.get("error")})
             continue
-        ratio = new["ms"] / base["ms"]
+        ratio = new_ms / base_ms
         noise = max(round_spread(base), round_spread(new))
         margin = max(threshold, noise)
         change = "slower" if ratio > 1 + margin else "faster" if ratio < 1 / (1 + margin) else "same"
-        entries.append({**entry, "base_ms": base["ms"], "new_ms": new["ms"], "ratio": ratio, "noise": noise,
+        entries.append({**entry, "base_ms": base_ms, "new_ms": new_ms, "ratio": ratio, "noise": noise,
                         "change": change})
     return sorted(entries, key=lambda e: -e.get("ratio", math.inf))
 

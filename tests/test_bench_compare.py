@@ -36,6 +36,7 @@ def test_calls_are_matched_by_what_they_time_and_a_change_counts_beyond_the_thre
         _row("art_dense", 32, 1.00),
         _row("art_never", 8, 1.00),
         _row("flash_sdpa", 8, 1.00),
+        _row("flash_sdpa", 32, 0.0),
     ])
     new = _decode(list(reversed([
         _row("cudnn_sdpa", 8, 0.98, [0.98, 0.99]),
@@ -45,6 +46,7 @@ def test_calls_are_matched_by_what_they_time_and_a_change_counts_beyond_the_thre
         {**{k: v for k, v in _row("art_never", 8, 0.0).items() if k != "ms"}, "error": "out of memory"},
         _row("flash_sdpa", 8, 1.00),
         _row("art_dense", 64, 3.0),                          # timed in the new run only
+        _row("flash_sdpa", 32, None),                        # no time in either run: not compared
     ])))
     comparison = compare_runs(base, new, threshold=0.03)
     entries = {(e["impl"], e["batch"]): e for e in comparison["rows"]["rows"]}
