@@ -9,7 +9,7 @@
 #   art-analysis capture --context 8192 --decode-steps 8 --source stdlib --dtype float16 --out captures/smollm2-8k
 #   cp captures/smollm2-8k/layer_015.safetensors .carry/smollm2_layer15_ctx8192.safetensors
 # A capture of several sequences (add --seed 1 --batch 8) gives each batch row of the tiled layer its own
-# sequence (kernels.bench.tiled_capture). Such a layer (about 50 MB) travels packed:
+# sequence (kernels.bench.tiled_capture). Such a layer (48 MiB; 40 MiB packed) travels packed:
 #   python scripts/pack_capture_layer.py pack captures/smollm2-8k/layer_015.safetensors .carry/layer15.xz
 # and on the GPU machine, before this script:
 #   python3 scripts/pack_capture_layer.py unpack .carry/layer15.xz .carry/smollm2_layer15_ctx8192.safetensors
