@@ -747,7 +747,7 @@ def test_target_rows_state_each_target_of_a_run_and_whether_it_was_met(capsys):
     import kernels.bench as bench
     from art_analysis.cli.bench import _print_summaries
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-05-art-decode.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-05-art-decode-v67.json"
     summary = json.loads(path.read_text())["summary"]
     rows = bench.target_rows(summary)
     assert [row["met"] for row in rows] == [True, True, True, False]

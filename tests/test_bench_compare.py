@@ -132,7 +132,7 @@ def test_load_run_takes_only_results_of_the_bench_suites(tmp_path):
 
 def test_two_committed_decode_runs_compare_every_call_both_timed():
     base = load_run(RESULTS / "2026-12-04-art-decode.json")
-    new = load_run(RESULTS / "2026-12-05-art-decode.json")
+    new = load_run(RESULTS / "2026-12-05-art-decode-v67.json")
     comparison = compare_runs(base, new)
     for section in ("rows", "paged", "split_study"):
         timed_in_both = ({_key(r, section) for r in base[section] if "ms" in r}
