@@ -291,7 +291,10 @@ B      8k                          32k                      128k
 256    364.3 -> 368.1 (374.2)      1434 -> 1428 (1473)      5713 -> 5736 (5945)
 =====  ==========================  =======================  =======================
 
-At ``D = 128`` the plan keeps 128-token blocks (64-token ones were within 2 % either way, ``-dense-sweep.json``).
+At ``D = 128`` the plan keeps 128-token blocks (64-token ones were within 2 % either way, ``-dense-sweep.json``),
+except on the contiguous layout for walks of at most 8k tokens whose 128-token grid takes several splits in more
+than one wave: there 64-token blocks walk in one wave of five programs per multiprocessor
+(:func:`kernels.split_plan.one_wave_dense_splits`; V71: B = 18 x 8k 158.3 -> 144.6 us, cuDNN 145.7).
 At ``D = 64`` it walks 64-token blocks on the paged layout too, also on pages that hold 128-token blocks whole (V63,
 ``-paged64-plan-ab.json``: pages of 128 tokens, 128-token blocks at their split count -> the plan, us; the SmolLM2
 shape B = 1 x 128k 40.3 -> 34.4, 8 x 32k 71.9 -> 53.5, 8 x 128k 252.8 -> 188.4, 32 x 32k 208.0 -> 188.7, 128 x 8k
@@ -409,7 +412,7 @@ from .int_checks import check_count
 from .pair_walks import PairWalks
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
                          dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
-                         on_demand_plan, planned_result_steps)
+                         on_demand_plan, one_wave_dense_splits, planned_result_steps)
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -581,6 +584,10 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device, read_values=reading)
     if paged and reading:
         _check_block_table(block_table, max_len if seqlens is None else seqlens, k_cache.shape[1], k_cache.shape[0])
+    one_wave_splits = (one_wave_dense_splits(batch * kv_heads, max_len, head_dim, paged, q.device)
+                       if planned_walk and art is None else None)
+    if one_wave_splits is not None:   # short walks in several waves of 128-token blocks: 64-token blocks in one (V71)
+        block_size = TMA_MAX_BLOCK
     max_steps = -(-max_len // block_size)
     if art is not None and max_steps > MAX_ART_STEPS:
         raise ValueError(f"an ART walk is at most {MAX_ART_STEPS} blocks ({MAX_ART_STEPS * block_size} tokens at "
@@ -624,6 +631,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         num_splits = on_demand_keywords["num_splits"]
         follow_step = on_demand_keywords["follow_step"] if follow_step is None else follow_step
         release_step = on_demand_keywords["release_step"] if release_step is None else release_step
+    elif one_wave_splits is not None:
+        num_splits = one_wave_splits
     elif num_splits is None:
         num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
                                                             head_dim, longest_stop_steps=longest_stop_steps)
@@ -685,7 +694,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             ``ART_BLOCK_SIZE`` (64, the simulator's default) with ``art``, else the dense plan's
             (:func:`kernels.split_plan.dense_block_size`: ``DENSE_BLOCK_SIZE`` (128); 64 at ``D = 64``, but 128 where
             one split of 64-token blocks would leave 1.5-2 pairs per multiprocessor; ``PAGED_DENSE_BLOCK_SIZE`` (64) on
-            pages that do not hold 128-token blocks whole).
+            pages that do not hold 128-token blocks whole), or 64 at ``D = 128`` where the 128-token walk's short
+            waves are slower than one wave of 64-token blocks
+            (:func:`kernels.split_plan.one_wave_dense_splits`, which then gives the split count).
         num_splits: programs per ``(b, kv_head)``; default :func:`kernels.split_plan.choose_split_plan`, or with
             ``release_walks`` :func:`kernels.split_plan.on_demand_plan`'s.
         longest_stop_steps: with ``art`` and the default follow step, the longest walk expected, in blocks:

@@ -30,7 +30,8 @@ measures:
   split counts and block sizes 64 / 128;
 * the dense default at batch sizes off the grid, where the programs fill the multiprocessors unevenly, and at the
   grid's up to 64 (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``) against cuDNN and flash SDPA,
-  and a candidate plan beside it, 64-token blocks in one wave (:func:`one_wave_small_block_splits`), each timing
+  and beside it the one-wave plan of 64-token blocks (:func:`kernels.split_plan.one_wave_small_block_splits`) at every
+  shape, which the default takes at 8k where its 128-token grid runs short waves (V71), each timing
   over ``DENSE_BATCH_REP_MS`` (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
@@ -108,7 +109,7 @@ from .l2_flush import l2_flush
 from .paged_cache import to_paged
 from .pair_walks import PairWalks
 from .results_io import input_file_record, latest_result, source_revision, write_json_atomic
-from .split_plan import MAX_SPLITS, MIN_STEPS_PER_SPLIT, SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits
+from .split_plan import SMALL_BLOCK_PROGRAMS_PER_SM, choose_num_splits, leader_splits, one_wave_small_block_splits
 from .walk_model import shared_bandwidth_ms
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -138,9 +139,6 @@ DENSE_TARGET = 0.97              # dense over the best peer's throughput, B >= 1
 RESUME_FIELDS = ("suite", "device", "sm_count", "versions", "source", "quick", "art", "l2_flush", "capture_file")
 # timed after do_bench's memset as well (kernels.l2_flush): the time bound's rows, under either flush
 MEMSET_FLUSH_IMPLS = ("art", "art_calibrated", "art_dense")
-# programs of 64-token blocks at D = 128 that one multiprocessor holds at the launcher's 2 stages (shared memory,
-# benchmarks/NOTES-art-decode.md V69): the one-wave candidate of the dense batches
-ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM = 5
 
 
 def kv_bytes(k: torch.Tensor) -> int:
@@ -421,17 +419,6 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     return rows
 
 
-def one_wave_small_block_splits(pairs: int, blocks: int, sms: int) -> int:
-    """The split count of the one-wave candidate plan for a dense walk of ``blocks`` 64-token blocks per pair at
-    ``D = 128``: the most splits (at least ``MIN_STEPS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``) whose
-    ``pairs * splits`` programs fit one wave of ``ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM`` per multiprocessor; one
-    split where even that overfills it.  In V68's split sweep that plan was faster than the 128-token default at
-    B = 18 x 8k (141.6 against 155.8 us; cuDNN 142.5), within 1.3 % of it at 32k; the dense batches time it as
-    ``art_dense_bs64_one_wave`` to decide whether the dense plan takes it."""
-    most = max(1, min(blocks // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-    return max(1, min(ONE_WAVE_SMALL_BLOCK_PROGRAMS_PER_SM * sms // pairs, most))
-
-
 def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device: torch.device,
                         rounds: int = ROUNDS, rows: list[dict] | None = None,
                         progress: Callable[[], None] | None = None) -> list[dict]:
@@ -439,8 +426,8 @@ def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device
     multiprocessors unevenly (and at some of the grid's, beside them): ``B`` in ``batches`` x ``S`` in ``lengths``,
     ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
-    ``art_dense`` and ``art_dense_bs64_one_wave`` (the candidate plan: 64-token blocks at
-    :func:`one_wave_small_block_splits`) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
+    ``art_dense`` and ``art_dense_bs64_one_wave`` (64-token blocks at :func:`one_wave_small_block_splits` at every
+    shape; the default's own walk where :func:`kernels.split_plan.one_wave_dense_splits` takes it) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
     its block size and split count.  ``rows``: a list to extend (default a new one), whose shapes are already timed
     and are skipped; ``progress``: called after each shape (e.g. to save the rows so far)."""
     rows = [] if rows is None else rows
@@ -867,6 +854,8 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         if earlier is not None:
             path, previous = found, earlier
             print(f"{found}: continuing its run ({len(earlier.get('rows') or [])} rows)")
+        else:
+            print(f"no run of these settings in {out_dir} to continue (a *-art-decode.json): timing every shape")
     ceiling = previous.get("copy_ceiling_tb_per_s") or copy_ceiling_tb_per_s(device)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     payload = {"suite": settings["suite"], "date": previous.get("date") or started, **settings,

@@ -2,7 +2,8 @@
 
 The launcher takes every default from here; a caller can ask for the same plans, or cost them offline:
 
-* the dense walk's block size (:func:`dense_block_size`) and split count (:func:`choose_num_splits`);
+* the dense walk's block size (:func:`dense_block_size`) and split count (:func:`choose_num_splits`), and where
+  short walks at D = 128 take 64-token blocks in one wave instead (:func:`one_wave_dense_splits`);
 * an ART call's split count and the step from which its followers walk (:func:`choose_split_plan`,
   :func:`choose_follow_step`, :func:`deferred_splits`);
 * told each pair's expected walk, per-pair splits (:func:`choose_pair_splits`, :func:`pair_plan`) or, where the
@@ -41,6 +42,8 @@ DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the m
 TMA_MAX_BLOCK = 64
 RESIDENT_AT_THREE_STAGES = 3     # programs of 64 x 128 blocks with 3 K/V stages per multiprocessor (shared memory)
 RESIDENT_AT_TWO_STAGES = 4       # ... and with 2
+ONE_WAVE_PROGRAMS_PER_SM = 5     # ... of the dense walk's build at 2 stages (shared memory, V69): its one-wave plan ...
+ONE_WAVE_MAX_TOKENS = 8192       # ... for walks of at most this many tokens (measured at 8k; at 32k it trailed, V71)
 # told each walk, 3 stages past a wave of them only where the walk model, longest first, gains this much (V45)
 LONGEST_FIRST_THREE_STAGES_GAIN = 0.97
 MIN_STEPS_PER_SPLIT = 4
@@ -125,6 +128,39 @@ def choose_num_splits(batch: int, kv_heads: int, max_steps: int, device: torch.d
     if wanted * programs < WAVE_FILL * sms:
         wanted += 1
     return max(1, min(wanted, most))
+
+
+def one_wave_small_block_splits(pairs: int, blocks: int, sms: int) -> int:
+    """The split count of a dense walk of ``blocks`` 64-token blocks per pair at ``D = 128`` in one wave: the most
+    splits (at least ``MIN_STEPS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``) whose ``pairs * splits`` programs
+    fit one wave of ``ONE_WAVE_PROGRAMS_PER_SM`` per multiprocessor (the launcher gives such grids 2 stages above
+    ``RESIDENT_AT_THREE_STAGES`` per multiprocessor); one split where even that overfills it."""
+    most = max(1, min(blocks // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(ONE_WAVE_PROGRAMS_PER_SM * sms // pairs, most))
+
+
+def one_wave_dense_splits(pairs: int, max_len: int, head_dim: int, paged: bool, device: torch.device) -> int | None:
+    """The split count of 64-token blocks that the dense plan takes instead of its 128-token walk, or ``None`` where
+    it keeps that walk: on the contiguous layout at ``D = 128``, for walks of at most ``ONE_WAVE_MAX_TOKENS`` tokens
+    (``max_len``) whose 128-token plan (:func:`choose_num_splits`) takes several splits in more than one wave,
+    :func:`one_wave_small_block_splits`, where one split of 64-token blocks per pair fits that wave.  There a program of 128-token blocks holds a multiprocessor alone, and
+    the last of several short waves walks at a lone program's pace, while 64-token programs share the
+    multiprocessors five at a time in one wave.
+
+    Measured on the H200 (``benchmarks/NOTES-art-decode.md``, V71; 32 / 8 heads, 8k tokens, us, 128-token plan ->
+    this one, best peer): B = 10 88.4 -> 83.9 (89.7), 18 158.3 -> 144.6 (145.7), 20 168.6 -> 157.3 (160.3),
+    22 181.6 -> 171.1, 24 192.9 -> 191.0, 26 212.9 -> 203.5, 34 280.8 -> 267.7, 36 290.2 -> 281.4, 40 313.1 ->
+    304.4, 56 433.5 -> 422.8; it was not faster where the 128-token grid is one wave (B = 8: 2 splits, 68.4 against
+    69.1; B = 12-16: one split, 1-5 % faster than this plan) or one split (B = 28-32, 44-48, 64: within 0.2 %, 44
+    2 % faster), nor at 32k, where it trailed the 128-token plan by up to 3 % at B = 24-56."""
+    sms = _num_sms(device)
+    if paged or head_dim != 128 or max_len > ONE_WAVE_MAX_TOKENS or pairs > ONE_WAVE_PROGRAMS_PER_SM * sms:
+        return None
+    wide_steps = -(-max_len // DENSE_BLOCK_SIZE)
+    wide_splits = choose_num_splits(pairs, 1, wide_steps, device, DENSE_BLOCK_SIZE, head_dim=head_dim)
+    if wide_splits == 1 or pairs * wide_splits <= sms:
+        return None
+    return one_wave_small_block_splits(pairs, -(-max_len // TMA_MAX_BLOCK), sms)
 
 
 def wave_balanced_splits(pairs: int, max_steps: int, sms: int, most: int) -> int:

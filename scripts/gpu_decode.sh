@@ -106,7 +106,11 @@ baseline_dir=$(mktemp -d)
 [ -n "$baseline" ] && cp "$baseline" "$baseline_dir/"
 # RESUME_FROM=<an incomplete *-art-decode.json of an earlier call>: its shapes are kept and only the rest are timed
 if [ -n "${RESUME_FROM:-}" ]; then
-    cp "$RESUME_FROM" "$out_dir/" && extra+=(--resume)
+    case "$(basename "$RESUME_FROM")" in
+        *-art-decode.json) cp "$RESUME_FROM" "$out_dir/" && extra+=(--resume) ;;
+        *) echo "RESUME_FROM=$RESUME_FROM: bench --resume continues a result named <date>-art-decode.json; keep the" \
+               "name the earlier call wrote" >&2; exit 2 ;;
+    esac
 fi
 cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
 cli bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 | tee "$out_dir/decode_bench.log"

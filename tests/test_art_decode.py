@@ -311,12 +311,39 @@ def test_the_64_dim_dense_plan_walks_128_token_blocks_where_about_two_pairs_shar
     fake_sms(2)
     launches = record_decode_launches(forward=True)
     q, k, v = synthetic_inputs(2, 6, 2, 1536, 64, torch.float16, CPU, seed=5)
-    planned = art_decode(q, k, v, return_lse=True)
-    assert launches.calls[-1].kwargs["BLOCK_N"] == 128 and launches.calls[-1].grid == (1, 4)
-    chosen = art_decode(q, k, v, block_size=128, num_splits=1, return_lse=True)
-    assert all(torch.equal(a, b) for a, b in zip(planned, chosen))
+    _planned_walk_is(launches, q, k, v, block_size=128, num_splits=1)
     art_decode(q[:1], k[:1], v[:1])                                          # 2 pairs: 64-token blocks
     assert launches.calls[-1].kwargs["BLOCK_N"] == 64
+
+
+def _planned_walk_is(launches, q, k, v, *, block_size: int, num_splits: int) -> tuple:
+    """The default dense call's output and LSE, after checking that it launched ``num_splits`` splits of
+    ``block_size``-token blocks per pair and equals that walk asked for explicitly, bit for bit."""
+    planned = art_decode(q, k, v, return_lse=True)
+    assert launches.calls[-1].kwargs["BLOCK_N"] == block_size
+    assert launches.calls[-1].grid == (num_splits, q.shape[0] * k.shape[1])
+    chosen = art_decode(q, k, v, block_size=block_size, num_splits=num_splits, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(planned, chosen))
+    return planned
+
+
+def test_the_128_dim_dense_plan_walks_64_token_blocks_in_one_wave_where_its_128_token_grid_runs_short_waves(
+        fake_sms, record_decode_launches):
+    """At D = 128, a dense call of the launcher's plan whose 128-token walk would take several splits in more than
+    one wave (``kernels.split_plan.one_wave_dense_splits``) walks 64-token blocks at the one-wave split count: on 2
+    multiprocessors, 3 pairs of 1024 tokens take 2 splits of 8 blocks of 128 (6 programs, 3 waves), so the call
+    walks 3 splits of 64-token blocks (9 of 10 programs in one wave), equal bit for bit to that walk asked for
+    explicitly, and within the FlashAttention oracle of the 128-token walk."""
+    fake_sms(2)
+    assert split_plan_module.choose_num_splits(3, 1, 8, CPU, 128, head_dim=128) == 2
+    launches = record_decode_launches(forward=True)
+    q, k, v = synthetic_inputs(3, 4, 1, 1024, 128, torch.float16, CPU, seed=11)
+    planned = _planned_walk_is(launches, q, k, v, block_size=64, num_splits=3)
+    wide = art_decode(q, k, v, block_size=128, num_splits=2, return_lse=True)
+    torch.testing.assert_close(planned[0], wide[0], atol=2e-3, rtol=0)
+    torch.testing.assert_close(planned[1], wide[1], atol=1e-4, rtol=0)
+    art_decode(q[:1], k[:1], v[:1])                                          # 1 pair: one wave of 128-token blocks
+    assert launches.calls[-1].kwargs["BLOCK_N"] == 128
 
 
 def test_the_dense_plan_gives_64_dim_tiles_two_warps(fake_sms, monkeypatch):

@@ -9,7 +9,8 @@ import torch
 import kernels.art_decode as art_decode_module
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
-from kernels.split_plan import choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range
+from kernels.split_plan import (choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range,
+                                one_wave_dense_splits, one_wave_small_block_splits)
 
 
 def test_kv_bytes_counts_k_and_v_once():
@@ -105,15 +106,51 @@ def test_dense_batch_rows_time_the_dense_plan_against_the_peers(monkeypatch, fak
 
 
 def test_one_wave_candidate_takes_the_most_splits_that_fit_one_wave_of_two_stage_programs():
-    import kernels.bench as bench
-
     blocks = 8192 // 64
-    assert bench.one_wave_small_block_splits(144, blocks, 132) == 4      # B = 18: 576 of 660 programs (V69's 141.6 us)
-    assert bench.one_wave_small_block_splits(80, blocks, 132) == 8       # B = 10: 640
-    assert bench.one_wave_small_block_splits(272, blocks, 132) == 2      # B = 34: 544
-    assert bench.one_wave_small_block_splits(661, blocks, 132) == 1      # over one wave at any split count
-    assert bench.one_wave_small_block_splits(1, blocks, 132) == 32       # 128 blocks: at least 4 per split
-    assert bench.one_wave_small_block_splits(1, 2048, 132) == 128        # MAX_SPLITS
+    assert one_wave_small_block_splits(144, blocks, 132) == 4      # B = 18: 576 of 660 programs (V69's 141.6 us)
+    assert one_wave_small_block_splits(80, blocks, 132) == 8       # B = 10: 640
+    assert one_wave_small_block_splits(272, blocks, 132) == 2      # B = 34: 544
+    assert one_wave_small_block_splits(661, blocks, 132) == 1      # over one wave at any split count
+    assert one_wave_small_block_splits(1, blocks, 132) == 32       # 128 blocks: at least 4 per split
+    assert one_wave_small_block_splits(1, 2048, 132) == 128        # MAX_SPLITS
+
+
+def test_dense_plan_takes_one_wave_of_64_token_blocks_only_where_the_128_token_grid_runs_short_waves(fake_sms):
+    fake_sms(132)
+    cpu = torch.device("cpu")
+    # 8k tokens, 32 / 8 heads (V71's dense batches): the one-wave plan where the 128-token grid takes several splits
+    # in more than one wave, at the split count the run timed as `art_dense_bs64_one_wave`
+    for batch, splits in ((10, 8), (18, 4), (20, 4), (22, 3), (26, 3), (34, 2), (40, 2), (56, 1)):
+        assert one_wave_dense_splits(batch * 8, 8192, 128, False, cpu) == splits, batch
+    # kept: one wave of 128-token programs (B = 6 and 8: 2 splits of 48 / 64 pairs), one split (B = 12-16, 28-32,
+    # 48, 64), longer walks (32k, where it trailed), D = 64, pages, and 4 blocks of 128 tokens (one split)
+    for batch in (6, 8, 12, 16, 28, 32, 48, 64):
+        assert one_wave_dense_splits(batch * 8, 8192, 128, False, cpu) is None, batch
+    assert one_wave_dense_splits(18 * 8, 8193, 128, False, cpu) is None
+    assert one_wave_dense_splits(18 * 8, 32768, 128, False, cpu) is None
+    assert one_wave_dense_splits(18 * 8, 8192, 64, False, cpu) is None
+    assert one_wave_dense_splits(18 * 8, 8192, 128, True, cpu) is None
+    assert one_wave_dense_splits(18 * 8, 512, 128, False, cpu) is None
+    # B = 83 at 8k: 4 splits of 128 tokens, but 664 pairs overfill one wave of 5 x 132 64-token programs
+    assert choose_num_splits(83, 8, 64, cpu) == 4 and one_wave_dense_splits(83 * 8, 8192, 128, False, cpu) is None
+    assert one_wave_dense_splits(74 * 8, 8192, 128, False, cpu) == 1
+    # the launcher's dense plan takes it: block size and split count, and the launch it gives equals an explicit call
+    q = torch.zeros(18, 32, 128)
+    k = torch.zeros(18, 8, 8192, 128)
+    plan = art_decode_module.plan_decode(q, k, k)
+    assert (plan.block_size, plan.num_splits, plan.max_steps, plan.dense_plan) == (64, 4, 128, True)
+    explicit = art_decode_module.plan_decode(q, k, k, block_size=64, num_splits=4)
+    assert (explicit.block_size, explicit.num_splits, explicit.max_steps) == (64, 4, 128)
+    # a ragged batch plans by its longest walk; ART and an explicit block size keep their own plans
+    lengths = torch.full((18,), 1000, dtype=torch.int32)
+    lengths[3] = 8192
+    assert art_decode_module.plan_decode(q, k, k, cache_seqlens=lengths).block_size == 64
+    lengths[3] = 8193
+    k_long = torch.zeros(18, 8, 8193, 128)
+    assert art_decode_module.plan_decode(q, k_long, k_long, cache_seqlens=lengths).block_size == 128
+    assert art_decode_module.plan_decode(q, k, k, block_size=128).num_splits == 8
+    assert art_decode_module.plan_decode(q, k, k, art=ARTParams()).block_size == 64
+    assert art_decode_module.plan_decode(q[:8], k[:8], k[:8]).block_size == 128
 
 
 def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fake_sms):
@@ -845,6 +882,16 @@ def test_a_run_cut_short_is_finished_by_a_resumed_run_that_times_only_the_missin
     calls = _fake_device_run(monkeypatch)
     assert bench.run(tmp_path, True, art=art, make_cache=None, resume=True)["rows"] == payload["rows"]
     assert calls["cases"] == [] and calls["ceiling"] == 0
+
+
+def test_a_resumed_run_without_a_result_to_continue_says_so_and_times_every_shape(monkeypatch, tmp_path, capsys):
+    import kernels.bench as bench
+
+    (tmp_path / "resume.json").write_text(json.dumps({"suite": "decode", "complete": False, "rows": []}))
+    calls = _fake_device_run(monkeypatch)
+    payload = bench.run(tmp_path, True, art=ARTParams(), make_cache=None, resume=True)
+    assert "no run of these settings in" in capsys.readouterr().out
+    assert calls["ceiling"] == 1 and payload["complete"] and len(calls["cases"]) == len(payload["rows"]) > 0
 
 
 def test_a_resumed_run_refuses_an_incomplete_run_of_other_settings(monkeypatch, tmp_path):

@@ -47,3 +47,18 @@ def test_pack_capture_layer_round_trips_bit_for_bit_and_smaller(tmp_path):
     not_packed = subprocess.run([sys.executable, str(root / "scripts" / "pack_capture_layer.py"), "unpack", str(layer),
                                  str(tmp_path / "x.safetensors")], capture_output=True, text=True)
     assert not_packed.returncode != 0 and "is not a layer packed by this script" in not_packed.stderr
+
+
+def test_gpu_decode_refuses_to_resume_from_a_result_bench_resume_would_not_find(tmp_path):
+    """`bench --resume` continues a ``<date>-art-decode.json`` in the output folder: a renamed partial result would be
+    ignored and the whole run timed afresh, so the script stops before the benchmark and says why."""
+    root = Path(__file__).resolve().parents[1]
+    partial = tmp_path / "resume.json"
+    partial.write_text("{}")
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "SKIP_TESTS": "1", "RESUME_FROM": str(partial)}
+    result = subprocess.run(["bash", str(root / "scripts" / "gpu_decode.sh")], capture_output=True, text=True,
+                            cwd=root, env=env)
+    assert result.returncode == 2
+    assert "continues a result named <date>-art-decode.json" in result.stderr
+    assert not (out / "decode_bench.log").exists() and not (out / "resume.json").exists()
