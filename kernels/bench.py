@@ -124,11 +124,13 @@ PAGED_CASES = ((8, 32768), (32, 32768), (128, 8192))
 QUICK_PAGED_CASES = ((32, 8192),)
 PAGE_SIZES = (16, 64)
 LONE_WALK_LENGTHS = (8192, 32768)
-# between the grid's batch sizes, and the grid's 8, 32 and 64 beside them (the one-wave candidate reaches B = 82)
-DENSE_BATCHES = (2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 40, 44, 48, 56, 64)
-DENSE_BATCH_LENGTHS = (8192, 32768)
+# between the grid's batch sizes, and the grid's 8, 32 and 64 beside them; 9, 17, 52 and 72 and 4k tokens: where the
+# dense plan's one-wave walk (split_plan.one_wave_dense_splits, V71) applies but no run had timed it
+DENSE_BATCHES = (2, 3, 4, 6, 8, 9, 10, 12, 14, 16, 17, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 40, 44, 48, 52, 56, 64,
+                 72)
+DENSE_BATCH_LENGTHS = (4096, 8192, 32768)
 QUICK_DENSE_BATCHES = (6, 18)
-DENSE_BATCH_REP_MS = 50          # per timing of the dense batches (48 shapes x 4 calls x ROUNDS), as in V68's runs
+DENSE_BATCH_REP_MS = 50          # per timing of the dense batches (84 shapes x 4 calls x ROUNDS), as in V68's runs
 ROUNDS = 3
 MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
