@@ -429,8 +429,8 @@ def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device
     ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
     ``art_dense`` and ``art_dense_bs64_one_wave`` (64-token blocks at :func:`one_wave_small_block_splits` at every
-    shape; the default's own walk where :func:`kernels.split_plan.one_wave_dense_splits` takes it) per shape (graph times in ``rounds`` interleaved rounds), each of ours with
-    its block size and split count.  ``rows``: a list to extend (default a new one), whose shapes are already timed
+    shape; the default's own walk where :func:`kernels.split_plan.one_wave_dense_splits` takes it) per shape (graph
+    times in ``rounds`` interleaved rounds), each of ours with its block size and split count.  ``rows``: a list to extend (default a new one), whose shapes are already timed
     and are skipped; ``progress``: called after each shape (e.g. to save the rows so far)."""
     rows = [] if rows is None else rows
     timed = {(r["batch"], r["seqlen"]) for r in rows}

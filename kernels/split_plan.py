@@ -143,9 +143,9 @@ def one_wave_dense_splits(pairs: int, max_len: int, head_dim: int, paged: bool, 
     """The split count of 64-token blocks that the dense plan takes instead of its 128-token walk, or ``None`` where
     it keeps that walk: on the contiguous layout at ``D = 128``, for walks of at most ``ONE_WAVE_MAX_TOKENS`` tokens
     (``max_len``) whose 128-token plan (:func:`choose_num_splits`) takes several splits in more than one wave,
-    :func:`one_wave_small_block_splits`, where one split of 64-token blocks per pair fits that wave.  There a program of 128-token blocks holds a multiprocessor alone, and
-    the last of several short waves walks at a lone program's pace, while 64-token programs share the
-    multiprocessors five at a time in one wave.
+    :func:`one_wave_small_block_splits`, where one split of 64-token blocks per pair fits that wave.  There a program
+    of 128-token blocks holds a multiprocessor alone, and the last of several short waves walks at a lone program's
+    pace, while 64-token programs share the multiprocessors five at a time in one wave.
 
     Measured on the H200 (``benchmarks/NOTES-art-decode.md``, V71; 32 / 8 heads, 8k tokens, us, 128-token plan ->
     this one, best peer): B = 10 88.4 -> 83.9 (89.7), 18 158.3 -> 144.6 (145.7), 20 168.6 -> 157.3 (160.3),

@@ -7,9 +7,10 @@ unpack it there.
 A layer of 8 sequences of 8192 tokens in float16 takes about 50 MB, which xz alone barely shrinks: the low byte of
 each element is nearly random.  Stored as byte planes (every tensor's high bytes, then its low bytes), the high
 bytes compress better: SmolLM2's layer 15 of `art-analysis capture --seed 1 --batch 8 --context 8192
---decode-steps 8 --dtype float16` packs from 48.1 MiB to 40.2 MiB (84 %), within the 64 MiB a device call carries.  The unpacked file holds the same tensors bit for
-bit (``unpack`` checks each tensor's SHA-256 against the one recorded at packing).  Both write a partial file
-and rename it, so an interrupted run leaves no damaged layer.
+--decode-steps 8 --dtype float16` packs from 48.1 MiB to 40.2 MiB (84 %), within the 64 MiB a device call
+carries.  The unpacked file holds the same tensors bit for bit (``unpack`` checks each tensor's SHA-256 against
+the one recorded at packing).  Both write a partial file and rename it, so an interrupted run leaves no damaged
+layer.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import torch
 import kernels.art_decode as art_decode_module
 from kernels.art_params import ARTParams
 from kernels.bench import kv_bytes, summarise, tile_batch
-from kernels.split_plan import (choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop, leader_range,
-                                one_wave_dense_splits, one_wave_small_block_splits)
+from kernels.split_plan import (choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop,
+                                leader_range, one_wave_dense_splits, one_wave_small_block_splits)
 
 
 def test_kv_bytes_counts_k_and_v_once():
