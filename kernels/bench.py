@@ -43,7 +43,10 @@ plain call, which also pays the host-side launch cost of the Python launcher).  
 one shape are taken in ``ROUNDS`` interleaved rounds (every implementation once per round, in the
 same order) and ``ms`` is the median over the rounds (``ms_rounds`` keeps each), so that a drift of
 the card during a shape (clocks, power cap) reaches every implementation alike: one-pass full runs
-had shown single rows 6-20 % slow that were not slow when repeated.  Where NVML can be read, each row
+had shown single rows 6-20 % slow that were not slow when repeated.  The monitor's overhead is a ratio of two
+calls (``MONITOR_OVERHEAD_PAIR``) that a drift of 1 % hides: where either's first rounds spread by more than
+the target, both are timed on, interleaved, to ``SETTLE_ROUNDS`` rounds in all, and their median is over every
+round.  Where NVML can be read, each row
 also keeps the SM clock and power draw read as each of its rounds ends (``sm_mhz_rounds``,
 ``power_w_rounds``), so that a round slow on a throttled card can be told from a slow kernel.
 
@@ -136,6 +139,10 @@ MAX_KV_BYTES = 80 * 2 ** 30
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NEVER = ARTParams(tau=0.0, phi=0.0)
 MONITOR_OVERHEAD_TARGET = 0.01
+# the never-stopping call and its dense reference at the same plan: timed on to SETTLE_ROUNDS rounds where either's
+# first ROUNDS spread by more than MONITOR_OVERHEAD_TARGET (V72: 32 x 128k spread 4.4 % over 3 rounds in V71's run)
+MONITOR_OVERHEAD_PAIR = ("art_never", "art_dense_bs64")
+SETTLE_ROUNDS = 9
 DENSE_TARGET = 0.97              # dense over the best peer's throughput, B >= 16
 # what a resumed run must share with the run it continues (kernels.bench.run(resume=True))
 RESUME_FIELDS = ("suite", "device", "sm_count", "versions", "source", "quick", "art", "l2_flush", "capture_file")
@@ -387,7 +394,9 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             extras[impl].update(pair_split_threshold=plan.pair_threshold,
                                 pair_split_walks=sum(w > plan.pair_threshold for w in hint.sorted_walks))
     extras["art_calibrated"]["longest_stop_steps"] = longest
-    results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS)
+    results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS,
+                               settle=MONITOR_OVERHEAD_PAIR, settle_spread=MONITOR_OVERHEAD_TARGET,
+                               settle_rounds=SETTLE_ROUNDS)
     rows = []
     for impl, result in results.items():
         row = {**base, "impl": impl, **result, **extras.get(impl, {})}
@@ -519,7 +528,9 @@ def target_rows(summary: dict) -> list[dict]:
          "measured": "not measured" if overhead is None else
          f"max {overhead:+.2%} over {summary.get('monitor_overhead_rows', '?')} rows" + (
              f" (fastest rounds: max {summary['monitor_overhead_fastest_rounds_max']:+.2%})"
-             if summary.get("monitor_overhead_fastest_rounds_max") is not None else ""),
+             if summary.get("monitor_overhead_fastest_rounds_max") is not None else "") + (
+             f"; {summary['monitor_overhead_settled_rows']} timed to {SETTLE_ROUNDS} rounds"
+             if summary.get("monitor_overhead_settled_rows") else ""),
          "met": None if overhead is None else overhead <= MONITOR_OVERHEAD_TARGET},
         {"target": "ART <= 1.15 x loaded fraction x dense + 10 us",
          "measured": "not measured" if not rows else
@@ -557,7 +568,8 @@ def walk_model_ms(walk_steps: list[int], lone_walk: dict, head_dim: int, element
 
 
 def time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device,
-                     memset_flush: tuple[str, ...] = ()) -> dict[str, dict]:
+                     memset_flush: tuple[str, ...] = (), settle: tuple[str, ...] = (), settle_spread: float = 0.0,
+                     settle_rounds: int = 0) -> dict[str, dict]:
     """``{impl: {"ms", "ms_rounds", "eager_ms", "timing"} or {"error"}}`` for zero-argument callables
     (a string value is an error recorded in place of a callable).  Each callable runs and is timed
     eagerly once; its CUDA-graph time is then taken once per round, every callable in each round, after an L2
@@ -565,7 +577,9 @@ def time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device
     round right after that, after do_bench's own memset (``ms_memset_flush_rounds``, median ``ms_memset_flush``).
     Where NVML can be read, ``sm_mhz_rounds`` and ``power_w_rounds`` hold the SM clock and power draw read as each
     round's timing ends (:func:`kernels.device_info.clock_and_power`), to tell a slow round on a throttled
-    card from a slow kernel."""
+    card from a slow kernel.  The callables named in ``settle`` (a ratio's two calls) are timed on, interleaved in
+    their order, to ``settle_rounds`` rounds in all where the first ``rounds`` of any of them spread by more than
+    ``settle_spread`` (:func:`round_spread`); their ``ms`` is the median over every round."""
     results, graphed = {}, []
     for impl, fn in calls.items():
         if isinstance(fn, str):
@@ -590,6 +604,11 @@ def time_interleaved(calls: dict, rep_ms: int, rounds: int, device: torch.device
     for _ in range(rounds - 1):
         for impl in graphed:
             _graph_round(results[impl], calls[impl], rep_ms, device, impl in memset_flush)
+    settling = [impl for impl in settle if impl in graphed]
+    if settling and max(round_spread(results[impl]) for impl in settling) > settle_spread:
+        for _ in range(settle_rounds - rounds):
+            for impl in settling:
+                _graph_round(results[impl], calls[impl], rep_ms, device, impl in memset_flush)
     for impl in graphed:
         results[impl]["ms"] = statistics.median(results[impl]["ms_rounds"])
         if impl in memset_flush:
@@ -723,7 +742,8 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     never-stopping nor the block-64 dense time spread over its rounds by more than the target
     (:func:`round_spread`), since elsewhere the measurement cannot tell 1 % from the card's drift; and over the
     fastest round of each (``monitor_overhead_fastest_rounds_*``): a power-capped card only ever slows a round, and
-    which of the two calls draws the cap is chance (``benchmarks/NOTES-art-decode.md``, V38, V43)."""
+    which of the two calls draws the cap is chance (``benchmarks/NOTES-art-decode.md``, V38, V43).  The rows
+    timed on past ``ROUNDS`` (:func:`time_interleaved`'s ``settle``) are counted in ``monitor_overhead_settled_*``."""
     by_shape: dict = {}
     timed: dict = {}
     monitor_skipped = set()
@@ -733,7 +753,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
             timed.setdefault((r["data"], r["batch"], r["seqlen"]), {})[r["impl"]] = r
         if r["impl"] == "art_never" and not r.get("monitor_runs", True):
             monitor_skipped.add((r["data"], r["batch"], r["seqlen"]))
-    dense_ratio, overhead, resolved, overhead_fastest, b1 = [], [], [], [], None
+    dense_ratio, overhead, resolved, overhead_fastest, settled, b1 = [], [], [], [], [], None
     never_default = {}
     for (data, batch, seqlen), impls in by_shape.items():
         if "art_never_default" in impls and "art_dense" in impls:
@@ -747,6 +767,8 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
             overhead_fastest.append(fastest_round_ms(never) / fastest_round_ms(reference) - 1)
             if max(round_spread(never), round_spread(reference)) <= MONITOR_OVERHEAD_TARGET:
                 resolved.append(overhead[-1])
+            if len(never.get("ms_rounds", ())) > ROUNDS:
+                settled.append(overhead[-1])
         if data == "synthetic" and batch == 1 and seqlen == 32768 and peers and "art_dense" in impls:
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
@@ -767,6 +789,8 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "monitor_overhead_rows_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead),
         "monitor_overhead_resolved_rows": len(resolved),
         "monitor_overhead_max_resolved": max(resolved, default=None),
+        "monitor_overhead_settled_rows": len(settled),
+        "monitor_overhead_settled_max": max(settled, default=None),
         "monitor_overhead_fastest_rounds_max": max(overhead_fastest, default=None),
         "monitor_overhead_fastest_rounds_over_target": sum(o > MONITOR_OVERHEAD_TARGET for o in overhead_fastest),
         "monitor_skipped_rows": len(monitor_skipped),

@@ -8,7 +8,7 @@ import torch
 
 import kernels.art_decode as art_decode_module
 from kernels.art_params import ARTParams
-from kernels.bench import kv_bytes, summarise, tile_batch
+from kernels.bench import kv_bytes, summarise, target_rows, tile_batch
 from kernels.split_plan import (choose_num_splits, choose_split_plan, earliest_stop_steps, leader_can_stop,
                                 leader_range, one_wave_dense_splits, one_wave_small_block_splits)
 
@@ -318,6 +318,14 @@ def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
     assert abs(summary["monitor_overhead_fastest_rounds_max"] - (2.040 / 2.000 - 1)) < 1e-12
     assert summary["monitor_overhead_fastest_rounds_over_target"] == 1
     assert summarise(rows[:2], 4.2)["monitor_overhead_rows_over_target"] == 0
+    assert summary["monitor_overhead_settled_rows"] == 0 and summary["monitor_overhead_settled_max"] is None
+    # the 64 row timed on to 9 rounds (time_interleaved's settle): counted, with its median overhead
+    rows[2].update(ms_rounds=[2.000, 2.001, 2.002, 2.000, 2.001, 2.000, 2.001, 2.002, 2.000], ms=2.001)
+    rows[3].update(ms_rounds=[2.040, 1.990, 2.050, 2.001, 2.003, 2.002, 2.004, 2.001, 2.002], ms=2.002)
+    summary = summarise(rows, 4.2)
+    assert summary["monitor_overhead_settled_rows"] == 1
+    assert abs(summary["monitor_overhead_settled_max"] - (2.002 / 2.001 - 1)) < 1e-12
+    assert "1 timed to 9 rounds" in target_rows(summary)[2]["measured"]
 
 
 def test_lone_walk_latency_is_the_slope_over_two_lengths(monkeypatch):
@@ -370,19 +378,24 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art_never_default", "art", "art_calibrated",
              "art_walks_dense"]
     # each round times every call in turn after a read of the L2, and the time bound's calls (dense and ART) right
-    # after that once more after do_bench's memset: 11 timings a round (1..11, 12..22, 23..33)
+    # after that once more after do_bench's memset: 11 timings a round (1..11, 12..22, 23..33).  The monitor's
+    # overhead pair spread far past 1 % over those rounds: the two are then timed in turn to 9 rounds (34..45)
+    settled = {"art_never": [34.0, 36.0, 38.0, 40.0, 42.0, 44.0],
+               "art_dense_bs64": [35.0, 37.0, 39.0, 41.0, 43.0, 45.0]}
     first = 1
     for impl in timed:
         memset = impl in ("art_dense", "art", "art_calibrated")
-        assert by_impl[impl]["ms_rounds"] == [first, first + 11.0, first + 22.0]
-        assert by_impl[impl]["ms"] == first + 11.0 and by_impl[impl]["eager_ms"] == 0.5
+        assert by_impl[impl]["ms_rounds"] == [first, first + 11.0, first + 22.0] + settled.get(impl, [])
+        assert by_impl[impl]["ms"] == (first + 11.0 if impl not in settled else settled[impl][1])
+        assert by_impl[impl]["eager_ms"] == 0.5
         if memset:
             assert by_impl[impl]["ms_memset_flush_rounds"] == [first + 1, first + 12.0, first + 23.0]
             assert by_impl[impl]["ms_memset_flush"] == first + 12.0
         else:
             assert "ms_memset_flush" not in by_impl[impl]
         first += 2 if memset else 1
-    assert order == 3 * ["read", "read", "memset", "read", "read", "read", "read", "memset", "read", "memset", "read"]
+    assert order == 3 * ["read", "read", "memset", "read", "read", "read", "read", "memset", "read", "memset",
+                         "read"] + 12 * ["read"]
     assert by_impl["art_dense"]["ms"] == 13.0 and by_impl["art_dense"]["ms_memset_flush"] == 14.0
     # the dense row states the plan its call took: one split of 64-token blocks (D = 64, 4 pairs on the CPU's one
     # multiprocessor)
@@ -453,6 +466,37 @@ def test_interleaved_rounds_record_the_clock_and_power_as_each_round_ends(monkey
     monkeypatch.setattr(bench, "clock_and_power", lambda device: None)
     results = bench.time_interleaved(calls, 1, 2, torch.device("cuda"))
     assert set(results["a"]) == {"eager_ms", "ms_rounds", "timing", "ms"}
+
+
+def test_a_ratios_calls_whose_rounds_spread_past_the_limit_are_timed_on_interleaved(monkeypatch):
+    import kernels.bench as bench
+
+    times = {"never": iter([1.00, 1.05, 1.00, 1.01, 1.02, 1.00, 0.99]), "dense": iter([1.0] * 7),
+             "peer": iter([2.0] * 7)}
+    order = []
+
+    def fake_graph_ms(fn, rep_ms, flush="read"):
+        order.append(fn())
+        return next(times[fn()])
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "clock_and_power", lambda device: None)
+    calls = {name: (lambda name=name: name) for name in ("peer", "never", "dense")}
+    # never's first 3 rounds spread 5 % > 1 %: never and dense are timed on, in turn, to 7 rounds; the peer is not
+    results = bench.time_interleaved(calls, 1, 3, torch.device("cuda"), settle=("never", "dense"),
+                                     settle_spread=0.01, settle_rounds=7)
+    assert order == 3 * ["peer", "never", "dense"] + 4 * ["never", "dense"]
+    assert results["never"]["ms_rounds"] == [1.00, 1.05, 1.00, 1.01, 1.02, 1.00, 0.99]
+    assert results["never"]["ms"] == 1.00 and len(results["dense"]["ms_rounds"]) == 7
+    assert results["peer"]["ms_rounds"] == [2.0] * 3
+    # within the limit: the rounds asked for and no more
+    times.update(never=iter([1.00, 1.005, 1.00]), dense=iter([1.0] * 3), peer=iter([2.0] * 3))
+    order.clear()
+    results = bench.time_interleaved(calls, 1, 3, torch.device("cuda"), settle=("never", "dense"),
+                                     settle_spread=0.01, settle_rounds=7)
+    assert order == 3 * ["peer", "never", "dense"] and results["never"]["ms"] == 1.00
 
 
 def test_clock_and_power_reads_nvml_in_megahertz_and_watts(monkeypatch):
