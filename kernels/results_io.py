@@ -44,18 +44,21 @@ def input_file_record(path: str | os.PathLike) -> dict:
 
 
 def source_revision(root: str | os.PathLike | None = None) -> dict:
-    """The code a result is measured with, ``{"commit", "modified", "from"}``: where ``root`` (default: this
+    """The code a result is measured with, ``{"commit", "modified", "from"}``: the commit named by the environment
+    variable ``ART_SOURCE_COMMIT`` where it is set (a tree copied to a GPU machine, whose own git history, if the
+    copy has one, need not be the tree's; ``modified`` unknown: ``None``); else, where ``root`` (default: this
     package's folder) lies in a git checkout, its ``HEAD`` and whether tracked files differ from it (``from`` =
-    ``"git"``); else the commit named by the environment variable ``ART_SOURCE_COMMIT`` (a tree copied without its
-    history, as onto a GPU machine; ``modified`` unknown: ``None``); else ``None`` for both."""
+    ``"git"``); else ``None`` for both."""
+    named = os.environ.get(SOURCE_COMMIT_ENV) or None
+    if named:
+        return {"commit": named, "modified": None, "from": SOURCE_COMMIT_ENV}
     root = Path(root) if root is not None else Path(__file__).resolve().parent
     try:
         commit = _git(root, "rev-parse", "HEAD")
         modified = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
         return {"commit": commit, "modified": modified, "from": "git"}
     except (OSError, subprocess.SubprocessError):
-        named = os.environ.get(SOURCE_COMMIT_ENV) or None
-        return {"commit": named, "modified": None, "from": SOURCE_COMMIT_ENV if named else None}
+        return {"commit": None, "modified": None, "from": None}
 
 
 def _git(root: Path, *args: str) -> str:

@@ -15,8 +15,8 @@
 #   python3 scripts/pack_capture_layer.py unpack .carry/layer15.xz .carry/smollm2_layer15_ctx8192.safetensors
 # The run ends with `art-analysis bench-compare` of its result against the newest committed one. A run cut short
 # (the JSON says "complete": false) is finished by a second call with RESUME_FROM=<that JSON> (bench --resume).
-# The JSON names the commit it measured (``source``): from git in a checkout; on a copy of the tree without its
-# history, from ART_SOURCE_COMMIT (e.g. ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made).
+# The JSON names the commit it measured (``source``): ART_SOURCE_COMMIT where set (on a copy of the tree, whose own
+# git history may not be the tree's: ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made), else git's.
 set -uo pipefail
 out_dir="${OUT:-benchmarks/results}"
 figure="${OUT:-figures}/kernel_speed.png"

@@ -39,6 +39,9 @@ def test_a_result_names_the_commit_it_was_measured_with(tmp_path, monkeypatch):
     assert source_revision(repo / "kernels")["modified"] is False
     (repo / "kernels" / "k.py").write_text("x = 2\n")
     assert source_revision(repo / "kernels") == {"commit": head, "modified": True, "from": "git"}
+    # a commit named for a copied tree wins over the copy's own history, which need not be the tree's
+    monkeypatch.setenv(SOURCE_COMMIT_ENV, "0123abcd")
+    assert source_revision(repo / "kernels") == {"commit": "0123abcd", "modified": None, "from": SOURCE_COMMIT_ENV}
 
 
 def test_a_tree_without_history_takes_the_commit_from_the_environment(tmp_path, monkeypatch):
