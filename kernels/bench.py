@@ -239,7 +239,8 @@ def capture_queries(path: str | os.PathLike) -> int:
 def distinct_inputs(data: str, seqlen: int, device: torch.device, make_cache: Callable,
                     capture: str | os.PathLike | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` of the distinct batch rows of a benchmark input (a batch tiles them cyclically): the two
-    structured sequences for ``data == "synthetic"``, else one row per decode query of each sequence of the captured layer."""
+    structured sequences for ``data == "synthetic"``, else one row per decode query of each sequence of the captured
+    layer."""
     if data == "synthetic":
         return structured_sequences(make_cache, seqlen, device)
     return tiled_capture(capture, capture_queries(capture), seqlen, device)
@@ -439,8 +440,9 @@ def bench_dense_batches(batches, lengths, *, rep_ms: int, ceiling: float, device
     random caches (a dense walk's time does not depend on the values).  Rows ``cudnn_sdpa``, ``flash_sdpa``,
     ``art_dense`` and ``art_dense_bs64_one_wave`` (64-token blocks at :func:`one_wave_small_block_splits` at every
     shape; the default's own walk where :func:`kernels.split_plan.one_wave_dense_splits` takes it) per shape (graph
-    times in ``rounds`` interleaved rounds), each of ours with its block size and split count.  ``rows``: a list to extend (default a new one), whose shapes are already timed
-    and are skipped; ``progress``: called after each shape (e.g. to save the rows so far)."""
+    times in ``rounds`` interleaved rounds), each of ours with its block size and split count.  ``rows``: a list to
+    extend (default a new one), whose shapes are already timed and are skipped; ``progress``: called after each
+    shape (e.g. to save the rows so far)."""
     rows = [] if rows is None else rows
     timed = {(r["batch"], r["seqlen"]) for r in rows}
     for seqlen in lengths:
@@ -663,8 +665,8 @@ def split_study(q, k, v, *, art: ARTParams, rep_ms: int) -> list[dict]:
     for block_size in (64, 128):
         for splits in SPLIT_SWEEP:
             rows.append({**base, "impl": "art_dense", "block_size": block_size, "num_splits": splits,
-                         "ms": graph_ms(lambda bs=block_size, ns=splits: art_decode(q, k, v, block_size=bs, num_splits=ns),
-                                        rep_ms)})
+                         "ms": graph_ms(lambda bs=block_size, ns=splits: art_decode(q, k, v, block_size=bs,
+                                                                                    num_splits=ns), rep_ms)})
     return rows
 
 
@@ -810,7 +812,8 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_calibrated_rows_with_pair_splits": sum("pair_split_threshold" in r for r in calibrated_rows),
         "art_calibrated_rows_meeting_time_bound_with_pair_splits": sum(
             r["meets_time_bound"] and "pair_split_threshold" in r for r in calibrated_rows),
-        "art_rows_meeting_time_bound_memset_flush": sum(r.get("meets_time_bound_memset_flush", False) for r in art_rows),
+        "art_rows_meeting_time_bound_memset_flush": sum(r.get("meets_time_bound_memset_flush", False)
+                                                        for r in art_rows),
         "art_calibrated_rows_meeting_time_bound_memset_flush": sum(
             r.get("meets_time_bound_memset_flush", False) for r in calibrated_rows),
         "art_rows_with_stopped_pairs": len(stops),
@@ -825,7 +828,8 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_rows_missing_time_bound_below_walks_dense": sum(
             not r["meets_time_bound"] and r.get("time_bound_below_walks_dense", False) for r in art_rows),
         **{f"lone_walk_step_us_{data}": lone["step_us"] for data, lone in (lone_walk or {}).items()},
-        **({"stop_steps_equal": sum(a["equal"] for a in agreement), "stop_steps_pairs": sum(a["pairs"] for a in agreement),
+        **({"stop_steps_equal": sum(a["equal"] for a in agreement),
+            "stop_steps_pairs": sum(a["pairs"] for a in agreement),
             "stop_steps_max_abs_diff": max(a["max_abs_diff"] for a in agreement),
             "plan_result_steps_equal": sum(a["plan_equal"] for a in agreement),
             "plan_stopped_pairs": sum(a["plan_stopped"] for a in agreement),
@@ -889,7 +893,8 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
     cases = [("synthetic", b, s) for s in lengths for b in batches
              if 2 * b * KV_HEADS * s * HEAD_DIM * 2 <= MAX_KV_BYTES]
     if capture is not None:
-        cases += [("smollm2_layer15_tiled", b, s) for s in lengths for b in (QUICK_BATCHES if quick else CAPTURE_BATCHES)]
+        cases += [("smollm2_layer15_tiled", b, s) for s in lengths
+                  for b in (QUICK_BATCHES if quick else CAPTURE_BATCHES)]
     payload["skipped"] = [dict(batch=b, seqlen=s, reason=f"KV cache over {MAX_KV_BYTES / 2 ** 30:.0f} GiB")
                           for s in lengths for b in batches if 2 * b * KV_HEADS * s * HEAD_DIM * 2 > MAX_KV_BYTES]
     lone_inputs = {"synthetic": lambda seqlen: tile_batch(structured_sequences(make_cache, seqlen, device), 1)}
