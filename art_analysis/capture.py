@@ -354,7 +354,8 @@ class KVCapture:
         try:
             metadata = json.loads(meta_path.read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{str(meta_path)!r} is not valid JSON ({exc}); the capture's metadata is damaged") from exc
+            raise ValueError(f"{str(meta_path)!r} is not valid JSON ({exc}); "
+                             "the capture's metadata is damaged") from exc
         if not isinstance(metadata, dict):
             raise ValueError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not a capture's metadata object")
         if metadata.get("format_version") != FORMAT_VERSION:

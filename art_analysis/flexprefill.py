@@ -243,7 +243,8 @@ def vertical_slash_mask(stats: RepresentativeAttention, *, gamma: float, block_s
 
     def budget(mass: torch.Tensor) -> torch.Tensor:
         tokens = coverage_count(mass, gamma)
-        return torch.div(tokens + budget_divisor - 1, budget_divisor, rounding_mode="floor").clamp(min_blocks, max_blocks)
+        blocks = torch.div(tokens + budget_divisor - 1, budget_divisor, rounding_mode="floor")
+        return blocks.clamp(min_blocks, max_blocks)
 
     vertical_blocks, slash_blocks = budget(stats.vertical), budget(stats.slash)
     columns = descending_rank(vertical_scores) < vertical_blocks[..., None]

@@ -5,7 +5,8 @@ run's lone step and the row's dense throughput.  Also reported: the lone step at
 row's time bound.
 
     python benchmarks/art_decode_walk_model.py benchmarks/results/2026-12-01-art-decode.json \\
-        --capture .carry/smollm2_layer15_ctx8192.safetensors --out benchmarks/results/2026-12-01-art-decode-walk-model.json
+        --capture .carry/smollm2_layer15_ctx8192.safetensors \\
+        --out benchmarks/results/2026-12-01-art-decode-walk-model.json
 
 (the capture: see ``scripts/gpu_decode.sh``).  Rows of the capture are skipped without it.
 """
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['data'][:9]:9} {r['batch']:4} x {r['seqlen'] // 1024:3}k {r['impl']:14} ms {r['ms']:.4f} "
               f"bound {r['time_bound_ms']:.4f} model {r['model_ms']:.4f} ({r['ms_over_model']:.2f}x) "
               f"step for the bound {r['step_us_for_the_bound'] or float('nan'):.2f} us | walks mean / max: replay "
-              f"{r['replay_steps_mean']:.1f} / {r['replay_steps_max']}, run {r['run_steps_mean']:.1f} / {r['run_steps_max']}")
+              f"{r['replay_steps_mean']:.1f} / {r['replay_steps_max']}, "
+              f"run {r['run_steps_mean']:.1f} / {r['run_steps_max']}")
     return payload
 
 

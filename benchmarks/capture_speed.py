@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             capture.save(Path(tmp) / "capture")
             save_s = time.perf_counter() - start
-        rows.append({"capture_s": capture_s, "capture_cpu_s": capture_cpu_s, "save_s": save_s, "peak_rss_gib": rss.peak / 2**30,
+        rows.append({"capture_s": capture_s, "capture_cpu_s": capture_cpu_s, "save_s": save_s,
+                     "peak_rss_gib": rss.peak / 2**30,
                      "rss_before_gib": rss_before / 2**30, "capture_gib": capture.nbytes / 2**30,
                      "loadavg_1min_before": load_before[0], "loadavg_1min_after": os.getloadavg()[0]})
         print(json.dumps(rows[-1]))

@@ -22,8 +22,8 @@ its stop step is the simulator's.  When it stops it raises a per-``(b, kv_head)`
 flag in global memory; the *followers* (splits ``1..``) poll the flag after each chunk of
 ``ART_CHUNK`` blocks (a rest of their range shorter than two chunks is one chunk: V31, never-stopping
 SmolLM2 B = 32, 8k at 5 splits, 26-block ranges, 0.0642 -> 0.0639 ms) and exit, and the combine keeps
-the leader alone, so the output is the simulator's truncated output whatever the timing (deterministic).  If the leader reaches the
-end of its range without converging, the followers have covered the rest and the combine
+the leader alone, so the output is the simulator's truncated output whatever the timing (deterministic).  If the leader
+reaches the end of its range without converging, the followers have covered the rest and the combine
 merges everything: the dense output (reported as a walk of all ``N`` steps).  Every program's
 step count, which is the number of blocks it loaded, is returned with ``return_stats``; the leading steps of the
 order whose blocks entered the output (the leader's where the combine kept it alone, else all ``N``) with
@@ -136,8 +136,9 @@ and at ``D = 64`` such a call runs 4 K/V stages, 4 programs per multiprocessor i
 32k, 0.173 ms with V44's 8 splits at 3 stages, 0.157 with 32 splits at 4; at 8k 0.125 -> 0.119 with 8 splits, at 128k
 0.272 -> 0.251 with 128).  A pair's result is that of the plan it takes: the single walk's, or that of the leader scheme
 over its split count (its leader stops within its range, or the walk is dense).  The grid is ``(B * Hkv, splits)``, so
-that every leader is dispatched before the followers, most of which walk nothing.  H200, ``ARTConfig()``, CUDA-graph medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2
-layer of 8 sequences at B = 128 x 8k / 32k / 128k took 0.146 / 0.481 / 0.483 ms told its longest walk and
+that every leader is dispatched before the followers, most of which walk nothing.  H200, ``ARTConfig()``, CUDA-graph
+medians (``benchmarks/NOTES-art-decode.md``, V44): the SmolLM2 layer of 8 sequences at B = 128 x 8k / 32k / 128k took
+0.146 / 0.481 / 0.483 ms told its longest walk and
 **0.130 / 0.175 / 0.267** told each walk (4 / 9 / 19 splits for 128 / 26 / 8 of its 384 pairs; dense 0.187 /
 0.722 / 2.860), and with ranges of at least 64 blocks 0.123 / 0.175 / 0.271 (2 / 8 / 19 splits, same-process A/B);
 on the synthetic caches, whose walks end about together, the plan splits none.  Told the previous decode step's
@@ -178,13 +179,14 @@ step's MMAs no longer serialised in the same change); a pair whose leader stops 
 single walk bit for bit (its leader raises ``CONVERGED`` and its followers walk nothing), and a released pair whose
 leader runs past its share gets the whole attention.  Which pairs are released depends on when the other leaders finish,
 so a pair's result, its single walk or the whole attention, may differ from one call to the next (V57).  The grid
-is ``(B * Hkv, splits)``, every leader dispatched before any follower; a follower that has polled ``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless
-released (``GAVE_UP``, set by compare-and-swap only while ``RELEASED`` is clear; a leader whose release finds it
-walks on alone), so no program waits without end on a leader that is not resident.  In a launch where too few
-walks stop for the count to fall to ``R``, every leader would walk alone to its end (2.5x the dense time at B = 32);
-with ``release_step`` each leader still walking alone releases at its first chunk end at or past that step, whatever
-the count (V51; :func:`kernels.split_plan.on_demand_plan` takes one).  The stage count of an on-demand grid is set by
-its leaders alone (:func:`_launch_config`): the followers, dispatched after every leader, only wait, and counted with
+is ``(B * Hkv, splits)``, every leader dispatched before any follower; a follower that has polled
+``GATE_POLLS_PER_STEP`` times per block of the walk gives up unless released (``GAVE_UP``, set by compare-and-swap only
+while ``RELEASED`` is clear; a leader whose release finds it walks on alone), so no program waits without end on a
+leader that is not resident.  In a launch where too few walks stop for the count to fall to ``R``, every leader would
+walk alone to its end (2.5x the dense time at B = 32); with ``release_step`` each leader still walking alone releases at
+its first chunk end at or past that step, whatever the count (V51; :func:`kernels.split_plan.on_demand_plan` takes one).
+ The stage count of an on-demand grid is set by its leaders alone (:func:`_launch_config`): the followers, dispatched
+ after every leader, only wait, and counted with
 them a grid of 64 x 128 blocks went to 2 stages (V52: synthetic 32/8, B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154
 ms; the rows whose leaders alone exceed 3 per multiprocessor unchanged).  Opt-in: it gains on lopsided
 walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
@@ -258,9 +260,9 @@ the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 m
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
 (``max(cache_seqlens)``, one device sync when lengths are given), at least ``MIN_STEPS_PER_SPLIT`` blocks per
-split, at most ``MAX_SPLITS``.  At ``D = 128`` a 128-token program holds its multiprocessor alone (136 KB of shared memory), and the
-count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`): a grid
-that spills a few programs into another wave pays that wave at a lone program's pace (17 splits x 8 KV heads =
+split, at most ``MAX_SPLITS``.  At ``D = 128`` a 128-token program holds its multiprocessor alone (136 KB of shared
+memory), and the count is the one whose waves of programs end soonest (:func:`kernels.split_plan.wave_balanced_splits`):
+a grid that spills a few programs into another wave pays that wave at a lone program's pace (17 splits x 8 KV heads =
 136 programs on 132 multiprocessors measured 11 % slower than 16 splits; 144 pairs 207 us in one split at 8k
 tokens, 156 in 8), while a grid of fewer programs than multiprocessors can beat two waves (96 pairs: 95 us in
 one split, 116 in 2; V68); the block size is ``DENSE_BLOCK_SIZE`` (128) at ``D = 128``,
@@ -344,12 +346,12 @@ descriptor copy per page (``"subpage_descriptors"``): the step's scores are one 
 block's maximum and ``sum p`` are taken over the tiles elementwise and then along the rows, and ``P V`` chains
 the tiles' products, so ``l``, and with it ``lse``, can differ from the contiguous layout's in the last bit
 (outputs and stop steps were equal in every A/B comparison).  Otherwise each token's row is gathered through
-its own entry, with the page and slot a shift and a mask for pages of a power of two.  The software pipeliner stages each step's
-page-table load ahead of its K/V tiles, which at the contiguous layout's stage count left the tiles
+its own entry, with the page and slot a shift and a mask for pages of a power of two.  The software pipeliner stages
+each step's page-table load ahead of its K/V tiles, which at the contiguous layout's stage count left the tiles
 single-buffered; the paged launches take ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them
-at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and stage count, on the H200
-(shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us dense; dense
-B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with
+at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and
+stage count, on the H200 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us
+dense; dense B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with
 :func:`kernels.split_plan.dense_block_size`'s default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms
 with pages of 64, and 0.087 with the page descriptors (contiguous 0.058); every output, lse and step count
 bit-identical.  Zeroing V only in the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone
@@ -544,7 +546,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     :func:`art_decode`), without a launch: every check of the inputs and keywords, then the block size, split
     count, follow step, per-pair splits or on-demand followers (``kernels.split_plan``), and whether the monitor
     runs at all.  :func:`art_decode` runs exactly this plan; the benchmark states each row's plan from it.  Reads
-    the lengths (a sync on a device), except inside a CUDA-graph capture or with ``read_lengths=False``; records nothing into ``walk_hint``."""
+    the lengths (a sync on a device), except inside a CUDA-graph capture or with ``read_lengths=False``; records
+    nothing into ``walk_hint``."""
     batch, q_heads, head_dim = _check_tensors(q, k_cache, v_cache, block_table)
     paged = block_table is not None
     kv_heads = k_cache.shape[2] if paged else k_cache.shape[1]
@@ -977,7 +980,8 @@ def _check_tensors(q, k_cache, v_cache, block_table):
             raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
         devices.add(block_table.device)
     if len(devices) != 1:
-        raise ValueError(f"q, k_cache, v_cache (and block_table) must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError("q, k_cache, v_cache (and block_table) must be on one device, "
+                         f"got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"art_decode runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1), got {q.device}")
     batch, q_heads, head_dim = q.shape

@@ -54,8 +54,9 @@ share past that step, with the end of its next chunk in the same word (and after
 publishes it); the followers wait from the start (``_await_release``), cut the rest of the walk as deferred
 followers released at that step would, and poll where the leader's chunks end.  A leader that stops first, or walks
 to its end, raises ``CONVERGED`` (its result alone is the pair's); the grid is
-``(B * Hkv, splits)``.  With ``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the launch order
-(``order [B * Hkv]``, the pairs by expected walk, longest first), so that the longest walks are dispatched first.
+``(B * Hkv, splits)``.  With ``LONGEST_FIRST`` (a call told each walk) the pair of each program slot is read from the
+launch order (``order [B * Hkv]``, the pairs by expected walk, longest first), so that the longest walks are dispatched
+first.
 
 Outputs: with one split the program writes ``out [B, Hq, D]`` (input dtype) and
 ``lse [B, Hq]`` (fp32) directly; with several it writes its normalised partial output to
@@ -578,10 +579,11 @@ def art_decode_split_kernel(
     per-pair splits; with ``ON_DEMAND`` each pair's release step, then the launch's count of pairs whose leader has
     released its followers or finished alone (``[B * Hkv + 1]``, the count zero between launches), and the most
     leaders still walking alone at a release; unused otherwise.  ``release_step``: with ``ON_DEMAND``, the leader's
-    step from which it releases its followers whatever that count (``num_blocks`` or more: never).  ``PROGRAM_THREADS``: the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's
-    sleep between polls (0: none, as in the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the
-    pair each program slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr``
-    (int32 ``[B * Hkv]``, ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.
+    step from which it releases its followers whatever that count (``num_blocks`` or more: never).  ``PROGRAM_THREADS``:
+    the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's sleep between polls (0: none, as in
+    the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the pair each program
+    slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr`` (int32 ``[B * Hkv]``,
+    ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read

@@ -196,5 +196,6 @@ def flexprefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     return outputs if len(outputs) > 1 else outputs[0]
 
 
-__all__ = ["KernelConfig", "default_config", "heads_first", "column_table", "block_sparse_attention", "flexprefill_attention",
-           "FlexPrefillEstimate", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["KernelConfig", "default_config", "heads_first", "column_table", "block_sparse_attention",
+           "flexprefill_attention", "FlexPrefillEstimate", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES",
+           "SUPPORTED_BLOCK_SIZES"]

@@ -52,8 +52,9 @@ def block_sparse_attention_kernel(
     Grid ``(ceil(N / BLOCK_M), B * Hq)``, or with ``HEADS_FIRST`` ``(B * Hq, ceil(N / BLOCK_M))`` so
     that the query heads of one KV head (and all heads) run the same query tile side by side.
     q_desc, o_desc: descriptors of ``[B, Hq, N, D]`` tensors, k_desc, v_desc of ``[B, Hkv, N, D]``, with
-    blocks ``[1, 1, BLOCK_M or BLOCK_N, D]``; LSE: ``[B, Hq, N]`` float32 (natural log); COLS: ``[B, Hq, nb, >= max count]`` int32
-    ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.  ``qk_scale`` = softmax scale * log2(e).
+    blocks ``[1, 1, BLOCK_M or BLOCK_N, D]``; LSE: ``[B, Hq, N]`` float32 (natural log);
+    COLS: ``[B, Hq, nb, >= max count]`` int32 ascending key blocks; COUNTS: ``[B, Hq, nb]`` int32.
+    ``qk_scale`` = softmax scale * log2(e).
     BLOCK_M and BLOCK_N divide BLOCK_SIZE.
     """
     SUB_TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N

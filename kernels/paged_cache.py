@@ -27,7 +27,8 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"k and v must both be [B, Hkv, S, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if v.dtype != k.dtype or v.device != k.device:
-        raise ValueError(f"k and v must share dtype and device, got {k.dtype} on {k.device} and {v.dtype} on {v.device}")
+        raise ValueError("k and v must share dtype and device, "
+                         f"got {k.dtype} on {k.device} and {v.dtype} on {v.device}")
     check_count(page_size, "page_size", 1)
     check_count(spare_pages, "spare_pages", 0)
     batch, kv_heads, seqlen, dim = k.shape

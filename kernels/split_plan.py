@@ -35,7 +35,7 @@ PAGED_DENSE_BLOCK_SIZE = 64      # dense blocks on pages of other sizes than mul
 SMALL_HEAD_DENSE_BLOCK_SIZE = 64   # dense blocks of D = 64, contiguous (V61) or paged (V63) ...
 SMALL_HEAD_WIDE_BLOCK_MAX_PAIRS_PER_SM = 2   # ... but 128 where one split of them leaves <= 2 pairs per SM (V65)
 TARGET_PROGRAMS_PER_SM = 1       # dense blocks of 128 tokens at D = 64 (three fit a multiprocessor, V69)
-PROGRAM_START_BLOCKS = 0.75      # ... at D = 128 (one fits, V68, V69): a program's start and end, in blocks of its walk,
+PROGRAM_START_BLOCKS = 0.75      # ... at D = 128 (one fits, V68, V69): a program's start and end, in its walk's blocks,
 LONE_WAVE_PACE = 0.70            # ... and a wave's time per block, of a full wave's, however few programs it holds
 SMALL_BLOCK_PROGRAMS_PER_SM = 4   # blocks of at most TMA_MAX_BLOCK tokens (two K/V stages at D = 128 above 3 per SM)
 DENSE_SMALL_BLOCK_PROGRAMS_PER_SM = {64: 3, 128: 2}   # ... walked without the monitor, by head dim (V61)

@@ -20,11 +20,12 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
 each pair (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the walks
 as ``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`); it records the call's
 walks into it (by hand: ``**hint_plan(hint.pair_walks, ...)``, then ``hint.record(steps, follow_step=...,
-on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand).  :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk
-on the device and copies those ``B * Hkv`` numbers to pinned host memory without blocking; :attr:`LongestWalkHint.steps`
-and :attr:`LongestWalkHint.pair_walks` take the latest record whose copy has landed (event queries, never a wait)
-and otherwise keep the values before it.  The hint lags by
-as many calls as the host runs ahead of the GPU, and it never stalls the stream.
+on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand).
+:meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk on the device and copies those
+``B * Hkv`` numbers to pinned host memory without blocking; :attr:`LongestWalkHint.steps` and
+:attr:`LongestWalkHint.pair_walks` take the latest record whose copy has landed (event queries, never a wait) and
+otherwise keep the values before it.  The hint lags by as many calls as the host runs ahead of the GPU, and it never
+stalls the stream.
 """
 from __future__ import annotations
 

@@ -1270,8 +1270,9 @@ def test_gpu_cuda_graph_replays_read_the_lengths_changed_in_place(paged):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, seqlen, splits, follow_step", [(8, 131072, 4, 0), (1, 32768, 16, 0), (2, 32768, 5, 0),
-                                                                (8, 32768, 6, 34), (1, 131072, 49, 34), (2, 32768, 5, 20)])
+@pytest.mark.parametrize("batch, seqlen, splits, follow_step",
+                         [(8, 131072, 4, 0), (1, 32768, 16, 0), (2, 32768, 5, 0),
+                          (8, 32768, 6, 34), (1, 131072, 49, 34), (2, 32768, 5, 20)])
 def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(batch, seqlen, splits, follow_step):
     # the leader scheme's result must not depend on timing: where the leader stopped, the single-split
     # output bit for bit (the followers' early exits dropped); elsewhere the dense output of that partition (the
@@ -1299,7 +1300,8 @@ def test_gpu_leader_scheme_output_is_the_leaders_alone_or_dense_in_every_call(ba
             if follow_step:
                 held_back = steps[..., 0] <= follow_step
                 held_back_pairs += int(held_back.sum())
-                assert not steps[..., 1:][held_back].any(), "a follower of a leader that stopped by the follow step loaded"
+                assert not steps[..., 1:][held_back].any(), \
+                    "a follower of a leader that stopped by the follow step loaded"
         assert mismatched_calls == 0, f"{mismatched_calls} of 20 calls differ ({config})"
     assert held_back_pairs > 0 or not follow_step, "the case must have leaders that stop by the follow step"
 
@@ -1321,8 +1323,12 @@ def test_gpu_walks_launched_longest_first_give_the_single_walks_results(monkeypa
     told = PairWalks.from_walks(expected.view(batch, 8))
     stages = []
     original = art_decode_module._launch_config
-    monkeypatch.setattr(art_decode_module, "_launch_config",
-                        lambda *args, **kwargs: stages.append(original(*args, **kwargs)[1]) or original(*args, **kwargs))
+    def recording_launch_config(*args, **kwargs):
+        config = original(*args, **kwargs)
+        stages.append(config[1])
+        return config
+
+    monkeypatch.setattr(art_decode_module, "_launch_config", recording_launch_config)
     for _ in range(3):
         got = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True)
         for value, reference in zip(got, single):

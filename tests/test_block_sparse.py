@@ -186,7 +186,8 @@ def test_estimated_mask_equals_reference_selection(tau, max_budget, union):
     assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5)
 
 
-@pytest.mark.parametrize("gamma,tau,min_budget,divisor,js_eps", [(0.95, 0.15, 32, 16, None), (1.0, 1.0, 0, None, 1e-10)])
+@pytest.mark.parametrize("gamma,tau,min_budget,divisor,js_eps",
+                         [(0.95, 0.15, 32, 16, None), (1.0, 1.0, 0, None, 1e-10)])
 def test_estimated_mask_equals_reference_on_repeated_input_with_ties(gamma, tau, min_budget, divisor, js_eps):
     q, k, _ = structured_prefill(1, 4, 4, 128, 64, seed=5, dtype=torch.float16, device="cpu")
     q, k = q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1)  # equal block scores: ties broken by the lower index

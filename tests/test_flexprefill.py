@@ -186,7 +186,8 @@ def test_sparse_attention_matches_a_masked_dense_computation():
     mask = torch.rand(1, 4, 4, 4, generator=torch.Generator().manual_seed(0)) < 0.5
     mask |= torch.eye(4, dtype=torch.bool)
     out, lse = sparse_attention(q, k, v, mask, 32, return_lse=True, compute_dtype=torch.float64, query_chunk=32)
-    tokens = mask.repeat_interleave(32, -1).repeat_interleave(32, -2)[..., :100, :100] & torch.ones(100, 100).tril().bool()
+    token_mask = mask.repeat_interleave(32, -1).repeat_interleave(32, -2)[..., :100, :100]
+    tokens = token_mask & torch.ones(100, 100).tril().bool()
     scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 32 ** -0.5
     scores = scores.masked_fill(~tokens, float("-inf"))
     assert torch.allclose(lse, torch.logsumexp(scores, -1))

@@ -55,6 +55,7 @@ def test_a_tree_without_history_takes_the_commit_from_the_environment(tmp_path, 
 def test_the_report_names_a_result_commit_when_it_has_one():
     from art_analysis.cli.report import _source_note
 
-    assert _source_note({"source": {"commit": "0123456789abcdef", "modified": True}}) == ", commit 0123456789ab + changes"
+    note = _source_note({"source": {"commit": "0123456789abcdef", "modified": True}})
+    assert note == ", commit 0123456789ab + changes"
     assert _source_note({"source": {"commit": "0123456789abcdef", "modified": None}}) == ", commit 0123456789ab"
     assert _source_note({"source": None}) == _source_note({}) == ""

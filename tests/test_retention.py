@@ -55,12 +55,13 @@ def test_rows_decode_independently_and_teacher_forcing_feeds_the_given_tokens(lo
     cache, first = prefill(model, prompt.input_ids)
     cache.batch_repeat_interleave(2)
     tokens, logprobs = decode_rows(model, cache, [first, first], 3, RuleAttention([None, FixedBudget(1)]))
-    alone, alone_logprobs = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3, RuleAttention([FixedBudget(1)]))
+    alone, alone_logprobs = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3,
+                                        RuleAttention([FixedBudget(1)]))
     assert torch.equal(tokens[1], alone[0])
     torch.testing.assert_close(logprobs[1], alone_logprobs[0], rtol=1e-4, atol=1e-4)
     assert not torch.equal(tokens[0], tokens[1]), "one block of five should change the greedy tokens"
-    forced_tokens, forced = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3, RuleAttention([FixedBudget(1)]),
-                                        forced=tokens[0].tolist())
+    forced_tokens, forced = decode_rows(model, prefill(model, prompt.input_ids)[0], [first], 3,
+                                        RuleAttention([FixedBudget(1)]), forced=tokens[0].tolist())
     # Step by step on the dense tokens: the same numbers.
     replay = []
     cache = prefill(model, prompt.input_ids)[0]

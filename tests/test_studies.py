@@ -224,7 +224,8 @@ def test_a_violated_bound_is_reported():
 
 # ----------------------------------------------------------------------------- composition
 def test_composition_table_per_policy(realistic):
-    table = compose_with_art(realistic, ["dense", "streaming:budget=0.5"], art=ARTConfig(tau=1e-2, phi=1e-4, patience=2))
+    table = compose_with_art(realistic, ["dense", "streaming:budget=0.5"],
+                             art=ARTConfig(tau=1e-2, phi=1e-4, patience=2))
     assert list(table["policy"]) == ["dense", "streaming:budget=0.5"]
     dense = table.iloc[0]
     assert dense["kept_fraction"] == 1 and dense["policy_error"] == 0

@@ -71,7 +71,8 @@ def test_direction_test_catches_a_rotation_the_scale_test_misses():
 def test_one_minus_cos_keeps_its_precision_near_one_in_fp32():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 128, generator=gen, dtype=torch.float64)
-    y = x * 1.003 + 1.5e-3 * x.norm(dim=-1, keepdim=True) * torch.randn(256, 128, generator=gen, dtype=torch.float64) / 128 ** 0.5
+    noise = torch.randn(256, 128, generator=gen, dtype=torch.float64) / 128 ** 0.5
+    y = x * 1.003 + 1.5e-3 * x.norm(dim=-1, keepdim=True) * noise
     exact = 1 - (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1))              # ~1e-6, in float64
     x32, y32 = x.float(), y.float()
     stable = one_minus_cos(x32, y32, x32.norm(dim=-1), y32.norm(dim=-1)).double()
@@ -165,7 +166,8 @@ def test_oracle_is_the_first_step_after_which_the_error_stays_below_eps():
     trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=32)
     for eps in (0.3, 0.05, 0.01, 0.0):
         result = stop(trace, Oracle(eps))
-        errors = (trace.partial_out - trace.final_out[:, :, None]).norm(dim=-1) / trace.final_out.norm(dim=-1)[..., None]
+        deviation = (trace.partial_out - trace.final_out[:, :, None]).norm(dim=-1)
+        errors = deviation / trace.final_out.norm(dim=-1)[..., None]
         for h in range(4):
             t = int(result.stop_step[0, h])
             assert torch.all(errors[0, h, t:] <= eps)

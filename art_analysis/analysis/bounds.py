@@ -104,7 +104,8 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     visited_w = weights * visited
     partial = torch.einsum("bhs,bhsd->bhd", visited_w, v64) / visited_w.sum(-1, keepdim=True)
     unvisited_w = weights * unvisited
-    mean_unvisited = torch.einsum("bhs,bhsd->bhd", unvisited_w, v64) / unvisited_w.sum(-1, keepdim=True).clamp(min=1e-300)
+    unvisited_mass = unvisited_w.sum(-1, keepdim=True).clamp(min=1e-300)
+    mean_unvisited = torch.einsum("bhs,bhsd->bhd", unvisited_w, v64) / unvisited_mass
 
     error_vec = full - partial
     error = torch.linalg.vector_norm(error_vec, dim=-1)

@@ -245,7 +245,8 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         dense_correct = prompt.answer in tokenizer.decode(dense.tolist())
         for r, name in enumerate(names):
             same = (tokens[r] == dense).tolist()
-            records.append(dict(task=prompt.kind, rule=name, correct=prompt.answer in tokenizer.decode(tokens[r].tolist()),
+            correct = prompt.answer in tokenizer.decode(tokens[r].tolist())
+            records.append(dict(task=prompt.kind, rule=name, correct=correct,
                                 dense_correct=dense_correct, agree=sum(same),
                                 divergence=same.index(False) if False in same else max_new_tokens,
                                 kl=kl[r], loaded=loaded[r], needle_read=needle_read[r]))

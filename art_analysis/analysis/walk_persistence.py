@@ -58,7 +58,8 @@ def decode_walks(capture, rule: ARTConfig, *, block_size: int = 64, order: str =
 
 
 def layer_longest(walks: torch.Tensor) -> torch.Tensor:
-    """``[L, T]``: each layer's longest walk (over its batch rows and KV heads) at each step of ``walks [L, T, B, Hkv]``."""
+    """``[L, T]``: each layer's longest walk (over its batch rows and KV heads) at each step of
+    ``walks [L, T, B, Hkv]``."""
     return walks.flatten(2).max(dim=2).values
 
 

@@ -68,7 +68,7 @@ def _defaults_section(results: dict) -> list[str]:
     else:
         lines.append(f"**No setting of the grid meets the bound**; the most accurate is tau={chosen['tau']:g}, "
                      f"phi={chosen['phi']:g}, patience={chosen['patience']} (p99 {chosen['rel_error_p99']:.2e}).")
-    same = (chosen["tau"], chosen["phi"], chosen["patience"]) == (defaults["tau"], defaults["phi"], defaults["patience"])
+    same = all(chosen[key] == defaults[key] for key in ("tau", "phi", "patience"))
     agreement = "the same setting." if same else "a DIFFERENT setting from this run's choice."
     lines += [
         f"`ARTConfig()` uses tau={defaults['tau']:g}, phi={defaults['phi']:g}, patience={defaults['patience']}: "

@@ -7,8 +7,9 @@ check the defaults it picks on the second; decode passkey and needle-in-a-haysta
 the stopping rules inside the model (retention); sweep FlexPrefill's gamma on the recorded
 prefill layers; draw the kernel-speed, decode-loop and FlexPrefill latency figures from the newest GPU results
 in ``benchmarks/results``, and the walk-persistence figure from the analysis stored there; write ``REPORT.md``,
-``reproduce.json`` and every figure (PNG + PDF) into ``--out``, each atomically.  Captures are cached under ``--captures`` (see
-:mod:`art_analysis.capture_store`) and reused when their settings match.  ``--quick`` uses 1024-token contexts, a smaller grid and fewer prompts.
+``reproduce.json`` and every figure (PNG + PDF) into ``--out``, each atomically.  Captures are cached under
+``--captures`` (see :mod:`art_analysis.capture_store`) and reused when their settings match.  ``--quick`` uses
+1024-token contexts, a smaller grid and fewer prompts.
 """
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def _retention(loaded, block_size: int, context: int, quick: bool) -> pd.DataFra
 def _benchmark_summaries(folder: Path) -> dict:
     """The ``summary`` of the newest decode, decode-loop and FlexPrefill GPU results in ``folder``, with their file
     names and the code they were measured with (``source``, ``kernels.results_io.source_revision``; ``None`` in
-    results written before it was recorded).  The decode loop's summary holds one entry per loop (``"<batch>x<seqlen>"``); its numbers are taken
-    as ``"<batch>x<seqlen> <key>"`` (the per-implementation totals left out), so that the report lists them."""
+    results written before it was recorded).  The decode loop's summary holds one entry per loop
+    (``"<batch>x<seqlen>"``); its numbers are taken as ``"<batch>x<seqlen> <key>"`` (the per-implementation totals left
+    out), so that the report lists them."""
     summaries = {}
     for kind in ("art-decode", "art-decode-loop", "flexprefill"):
         found = latest_result(kind, folder)

@@ -13,7 +13,8 @@ import pandas as pd
 from .figure_io import save_figure
 
 
-def plot_composition(table: pd.DataFrame, path: str | Path, title: str = "KV-selection policies followed by ART") -> Path:
+def plot_composition(table: pd.DataFrame, path: str | Path,
+                     title: str = "KV-selection policies followed by ART") -> Path:
     """Left: fraction of the cache kept by the policy and read with ART on top.  Right: mean relative
     error of the policy alone and of the policy followed by ART.  ``table`` from
     :func:`art_analysis.analysis.composition.compose_with_art`."""

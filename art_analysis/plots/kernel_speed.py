@@ -106,7 +106,8 @@ def kernel_speed_figure(results: dict):
     ceiling = results["copy_ceiling_tb_per_s"]
     for ax, seqlen in zip(axes, lengths):
         for impl, style in IMPL_STYLES.items():
-            sub = sorted((r for r in synthetic if r["seqlen"] == seqlen and r["impl"] == impl), key=lambda r: r["batch"])
+            sub = sorted((r for r in synthetic if r["seqlen"] == seqlen and r["impl"] == impl),
+                         key=lambda r: r["batch"])
             if sub:
                 ax.plot([r["batch"] for r in sub], [r["tb_per_s"] for r in sub], **style)
         ax.axhline(ceiling, color="red", linewidth=0.8, linestyle=":", label=f"copy ceiling {ceiling:.2f} TB/s")

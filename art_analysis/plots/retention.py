@@ -14,7 +14,8 @@ import pandas as pd
 from .figure_io import save_figure
 
 
-def plot_retention(table: pd.DataFrame, path: str | Path, title: str = "Retrieval with the rule inside decoding") -> Path:
+def plot_retention(table: pd.DataFrame, path: str | Path,
+                   title: str = "Retrieval with the rule inside decoding") -> Path:
     """One panel per task and walk order: accuracy and token agreement (bars), the loaded fraction
     (black dots) and the share of heads whose walk read the needle's block (red crosses) per rule,
     the mean teacher-forced KL against dense in the tick labels."""
