@@ -321,8 +321,9 @@ def js_pattern_kernel(Q, KEY_MEANS, TRUTH, JS, PATTERN, seqlen, rows, num_blocks
         blocks = first + offs_c
         ok = blocks < num_blocks
         logits = _block_logits(means_base, recent, blocks, ok, scale, stride_mn, stride_md, HEAD_DIM)
-        estimate = tl.exp(logits - m_i) / l_i
-        truth = tl.load(truth_base + blocks * stride_tn, mask=ok, other=0.0)
+        # lanes past the last block hold two equal distributions (1, 1), whose terms are 0 on both paths
+        estimate = tl.where(ok, tl.exp(logits - m_i) / l_i, 1.0)
+        truth = tl.load(truth_base + blocks * stride_tn, mask=ok, other=1.0)
         middle = 0.5 * (estimate + truth)
         if USE_EPS:
             log_middle = tl.log(middle + js_eps)
@@ -330,7 +331,7 @@ def js_pattern_kernel(Q, KEY_MEANS, TRUTH, JS, PATTERN, seqlen, rows, num_blocks
         else:
             terms = estimate * tl.log(estimate / middle) + truth * tl.log(truth / middle)
         divergence += tl.sum(tl.where(ok, terms, 0.0), 0)
-    js = tl.sqrt(tl.maximum(0.5 * divergence, 0.0))
+    js = tl.sqrt(tl.maximum(0.5 * divergence, 0.0, propagate_nan=tl.PropagateNan.ALL))  # NaN stays NaN, as upstream
     tl.store(JS + pid, js)
     tl.store(PATTERN + pid, (js < tau).to(tl.int64))
 

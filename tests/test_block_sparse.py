@@ -201,6 +201,24 @@ def test_estimated_mask_equals_reference_on_repeated_input_with_ties(gamma, tau,
     assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_estimated_js_distance_is_nan_where_a_block_has_no_mass_without_epsilon_as_the_reference():
+    # every query is u and the keys of block 1 are -30 u: scores of -240 there, whose exp is 0 in float32, so
+    # both distributions hold a zero block; upstream's 0 * log(0 / 0) makes D_JS NaN, an epsilon keeps it finite
+    q, k, _ = structured_prefill(1, 2, 2, 64, 64, seed=6, dtype=torch.float32, device="cpu")
+    u = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
+    q[:] = u
+    k[:, :, 16:32] = -30 * u
+    params = dict(gamma=0.9, tau=0.1, block_size=16, min_budget=16, max_budget=64)
+    for js_eps in (None, 1e-10):
+        estimate = estimate_block_mask(q, k, js_eps=js_eps, **params)
+        reference = select_blocks(q, k, js_eps=js_eps, **params)
+        assert torch.equal(torch.isnan(estimate.js_distance), torch.isnan(reference.js_distance))
+        assert torch.isnan(estimate.js_distance).all() == (js_eps is None)
+        assert torch.allclose(estimate.js_distance, reference.js_distance, atol=1e-5, equal_nan=True)
+        assert torch.equal(estimate.pattern, reference.pattern)
+
+
 def test_flexprefill_attention_chains_estimation_and_kernel():
     q, k, v = structured_prefill(1, 4, 2, 256, 64, seed=4, dtype=torch.float16, device="cpu")
     out, lse, estimate = flexprefill_attention(q, k, v, gamma=0.9, tau=0.1, block_size=32, min_budget=32,
