@@ -40,10 +40,10 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
-import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -64,6 +64,7 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 TOKENS_FILE = "tokens.safetensors"
 CAPTURE_IMPL_TAG = "art_capture"
+CAPTURE_TOKEN_AXES = {"k": 2, "v": 2, "token_ids": 1}   # stored tensors cut to ``kv_length`` along this axis
 
 
 def layer_filename(layer: int) -> str:
@@ -325,7 +326,8 @@ class KVCapture:
             if not dest.is_dir() or (any(dest.iterdir()) and not (dest / METADATA_FILE).is_file()):
                 raise ValueError(f"refusing to overwrite {str(dest)!r}: it is not a capture folder")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.partial"   # mkdir, unlike mkdtemp, keeps the umask's mode
+        tmp.mkdir()
         try:
             for layer in self.layers:
                 save_file({n: t.cpu() for n, t in self._tensors(layer).items()}, tmp / layer_filename(layer))
@@ -363,17 +365,76 @@ class KVCapture:
                              f"this version reads format {FORMAT_VERSION}")
         if not isinstance(metadata.get("layers"), list):
             raise ValueError(f"{str(meta_path)!r} lists no layers; the capture's metadata is damaged")
+        _check_metadata(metadata, meta_path)
         missing = [layer_filename(i) for i in metadata["layers"] if not (src / layer_filename(i)).is_file()]
         if missing or not (src / TOKENS_FILE).is_file():
             raise FileNotFoundError(f"capture {str(src)!r} is incomplete; missing {missing or [TOKENS_FILE]}")
-        tokens = _read_safetensors(src / TOKENS_FILE)
+        batch, steps, length = metadata["batch_size"], metadata["decode_steps"], metadata["kv_length"]
+        tokens = _read_safetensors(src / TOKENS_FILE, {"token_ids": (batch, length),
+                                                       "generated_ids": (batch, steps + 1)}, floating=False)
+        hq, hkv, d = len(metadata["query_heads"]), len(metadata["kv_heads"]), metadata["model"]["head_dim"]
+        layer_shapes = {"k": (batch, hkv, length, d), "v": (batch, hkv, length, d), "decode_q": (batch, hq, steps, d)}
         return cls(metadata, tokens["token_ids"], tokens["generated_ids"],
-                   lambda layer: _read_safetensors(src / layer_filename(layer)))
+                   lambda layer: _read_safetensors(src / layer_filename(layer), layer_shapes))
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+def _check_metadata(metadata: dict, path: Path) -> None:
+    """Raise ``ValueError`` naming ``path`` where a field that reading the capture needs is missing or invalid."""
+    def damaged(detail: str) -> ValueError:
+        return ValueError(f"{str(path)!r} is damaged: {detail}")
+
+    def is_count(value, minimum: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+    for key, nonempty in (("layers", True), ("prefill_layers", False), ("kv_heads", True), ("query_heads", True)):
+        value = metadata.get(key)
+        if not (isinstance(value, list) and (value or not nonempty) and all(is_count(i, 0) for i in value)
+                and len(set(value)) == len(value)):
+            raise damaged(f"{key} must be a list of distinct ints >= 0{' (at least one)' if nonempty else ''}, "
+                          f"got {value!r}")
+    if len(metadata["query_heads"]) % len(metadata["kv_heads"]):
+        raise damaged(f"{len(metadata['query_heads'])} query heads do not split into groups of the "
+                      f"{len(metadata['kv_heads'])} KV heads")
+    for key, minimum in (("batch_size", 1), ("context_tokens", 1), ("decode_steps", 1), ("kv_length", 1)):
+        if not is_count(metadata.get(key), minimum):
+            raise damaged(f"{key} must be an int >= {minimum}, got {metadata.get(key)!r}")
+    if metadata["kv_length"] > metadata["context_tokens"] + metadata["decode_steps"]:
+        raise damaged(f"kv_length {metadata['kv_length']} exceeds context_tokens + decode_steps "
+                      f"({metadata['context_tokens']} + {metadata['decode_steps']})")
+    model = metadata.get("model")
+    if not (isinstance(model, dict) and isinstance(model.get("name"), str) and is_count(model.get("head_dim"), 1)
+            and is_count(model.get("num_layers"), 1)):
+        raise damaged(f"model must name the model and give its head_dim and num_layers (ints >= 1), got {model!r}")
+    dtype = getattr(torch, str(metadata.get("dtype")), None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise damaged(f"dtype must name a floating torch dtype, got {metadata.get('dtype')!r}")
+    scale = metadata.get("sm_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise damaged(f"sm_scale must be a finite number > 0, got {scale!r}")
+
+
+def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of one file of a capture, each of ``shapes`` present with that shape (the token axis of ``k``,
+    ``v`` and ``token_ids`` at least as long) and of a floating (``floating``) or integer dtype, else
+    ``ValueError`` naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as exc:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file ({exc}); the capture is damaged") from exc
+    for name, shape in shapes.items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{str(path)!r} holds no {name!r}; the capture is damaged")
+        token_axis = CAPTURE_TOKEN_AXES.get(name)
+        got = tuple(t.shape)
+        fits = len(got) == len(shape) and all(g == e or (i == token_axis and g >= e)
+                                              for i, (g, e) in enumerate(zip(got, shape)))
+        if not fits or t.is_floating_point() != floating:
+            raise ValueError(f"{str(path)!r}: {name} is {t.dtype} of shape {got}, expected "
+                             f"{'a floating' if floating else 'an integer'} tensor of shape {shape}"
+                             f"{' (or longer along the tokens)' if token_axis else ''}; the capture is damaged")
+    return tensors
 
 
 def _index_list(values: Sequence[int], name: str) -> list[int]:

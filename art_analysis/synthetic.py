@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import check_cache_dims
+
 
 @dataclass
 class SyntheticCache:
@@ -72,12 +74,7 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
         recency_scale = overrides.get("recency_scale", recency_scale)
         heavy = overrides.get("heavy", heavy)
         noise = overrides.get("noise", noise)
-    for name, value in (("batch", batch), ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
-                        ("seqlen", seqlen), ("head_dim", head_dim)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads % num_kv_heads must be 0, got {num_q_heads} and {num_kv_heads}")
+    check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim)
     for name, value in (("sink_tokens", sink_tokens), ("heavy_hitters", heavy_hitters),
                         ("value_outliers", value_outliers)):
         if not isinstance(value, int) or not 0 <= value <= seqlen:

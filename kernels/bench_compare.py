@@ -16,13 +16,11 @@ software versions, quick runs and incomplete runs are named in the notes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path
 
 from .bench import round_spread, upper_median
-from .results_io import flat_summary
+from .results_io import flat_summary, read_result
 
 ROW_KEYS = {
     "decode": {
@@ -57,17 +55,18 @@ PEER_CALLS = {"decode": ("impl", ("cudnn_sdpa", "flash_sdpa", "flex_attention"))
 def load_run(path: str | os.PathLike) -> dict:
     """A benchmark result written by ``art-analysis bench``: the JSON object of ``path``, checked to be of a suite
     that :func:`compare_runs` knows (``ROW_KEYS``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"benchmark result {path} is not a file")
-    try:
-        payload = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"benchmark result {path} is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("suite"), str) or payload["suite"] not in ROW_KEYS:
-        suite = payload.get("suite") if isinstance(payload, dict) else type(payload).__name__
+    payload = read_result(path, what="benchmark result")
+    suite = payload.get("suite")
+    if not isinstance(suite, str) or suite not in ROW_KEYS:
         raise ValueError(f"{path} is not a result of `art-analysis bench` (suite {suite!r}; expected one of "
                          f"{', '.join(ROW_KEYS)})")
+    for section in ROW_KEYS[suite]:
+        rows = payload.get(section) or []
+        if suite == "decode-loop" and isinstance(rows, list):   # loops, each with its rows
+            rows = [row for loop in rows for row in (loop.get("rows") if isinstance(loop, dict) else None) or [None]]
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ValueError(f"benchmark result {path}: {section} must be a list of objects"
+                             f"{' (loops, each with rows)' if suite == 'decode-loop' else ''}")
     return payload
 
 

@@ -36,6 +36,7 @@ from kernels.block_sparse import (KernelConfig, block_sparse_attention, default_
                                   heads_first)
 from kernels.flexprefill_estimate import (LINE_SUMS_CONFIG, _token_means, estimate_block_mask, query_aware_blocks,
                                          representative_lines)
+from kernels.int_checks import check_cache_dims
 from kernels.results_io import source_revision, write_json_atomic
 
 KIND_NAMES = ("sink_local", "sink_vertical", "topic_blocks", "sink_local_vertical")
@@ -63,6 +64,7 @@ def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int 
       giving logit ``topic`` between same-topic spans (scattered blocks: query-aware heads);
     * everything else is noise of about ``noise`` logits.
     """
+    check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim)
     gen = torch.Generator(device=device).manual_seed(seed)
     b, hkv, n, d = batch, num_kv_heads, seqlen, head_dim
     group = num_q_heads // num_kv_heads

@@ -16,3 +16,20 @@ def check_count(value, name: str, minimum: int, maximum: int | None = None, unit
             expected = f"an int >= {minimum}"
         raise ValueError(f"{name} must be {expected}{f' ({unit})' if unit else ''}, got {value!r}")
     return value
+
+
+def check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim) -> None:
+    """The sizes of a cache to build (synthetic caches, benchmark inputs): each a positive ``int``, and the query
+    heads in whole groups of the KV heads; else ``ValueError`` naming the argument."""
+    for name, value in (("batch", batch), ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
+                        ("seqlen", seqlen), ("head_dim", head_dim)):
+        check_count(value, name, 1)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads % num_kv_heads must be 0, got {num_q_heads} and {num_kv_heads}")
+
+
+def check_choice(value, name: str, choices: tuple[int, ...]) -> int:
+    """``value`` must be an ``int`` (not a ``bool`` nor a float equal to one) among ``choices``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value

@@ -80,6 +80,28 @@ def latest_result(suite: str, folder: str | os.PathLike = RESULTS_DIR) -> Path |
     return found[-1] if found else None
 
 
+def read_result(path: str | os.PathLike, required: tuple[str, ...] = (), what: str = "result") -> dict:
+    """The JSON object stored at ``path`` (a benchmark result or a stored analysis), holding the keys ``required``;
+    ``FileNotFoundError`` or ``ValueError`` naming the file otherwise.  ``what`` names the file in the errors.  A
+    ``rows`` entry, required or not, must be a list of objects."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} is not a file")
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{what} {path} holds a {type(payload).__name__}, not a JSON object")
+    missing = [key for key in required if key not in payload]
+    if missing:
+        raise ValueError(f"{what} {path} lacks {', '.join(missing)}")
+    rows = payload.get("rows", [])
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{what} {path}: rows must be a list of objects")
+    return payload
+
+
 def flat_summary(payload: dict) -> dict:
     """A benchmark result's ``summary`` as one level of entries: a decode-loop result's, which holds one summary per
     loop (``"<batch>x<seqlen>"``), as ``"<batch>x<seqlen> <entry>"`` with the per-implementation totals (dicts) left

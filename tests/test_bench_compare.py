@@ -122,11 +122,20 @@ def test_load_run_takes_only_results_of_the_bench_suites(tmp_path):
     broken.write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_run(broken)
-    for payload, shown in (([1, 2], "'list'"), ({"suite": "decode-ab"}, "'decode-ab'"),
-                           ({"suite": {"a": 1}}, "{'a': 1}")):
-        path = tmp_path / "other.json"
+    path = tmp_path / "other.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="other.json holds a list, not a JSON object"):
+        load_run(path)
+    for payload, shown in (({"suite": "decode-ab"}, "'decode-ab'"), ({"suite": {"a": 1}}, "{'a': 1}")):
         path.write_text(json.dumps(payload))
         with pytest.raises(ValueError, match=f"not a result of `art-analysis bench` \\(suite {shown}"):
+            load_run(path)
+    for payload, message in (({"suite": "decode", "rows": {"a": 1}}, "rows must be a list of objects"),
+                             ({"suite": "decode", "paged": [1]}, "paged must be a list of objects"),
+                             ({"suite": "decode-loop", "loops": [{"seqlen": 8}]},
+                              r"loops must be a list of objects \(loops, each with rows\)")):
+        path.write_text(json.dumps(payload))
+        with pytest.raises(ValueError, match=message):
             load_run(path)
 
 

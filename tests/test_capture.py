@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from art_analysis import capture as capture_mod
 from art_analysis import models
@@ -166,7 +167,8 @@ def test_load_is_lazy_per_layer(run, tmp_path, monkeypatch):
     cap.select(layers=[1, 2]).save(tmp_path / "cap")
     read = []
     original = capture_mod._read_safetensors
-    monkeypatch.setattr(capture_mod, "_read_safetensors", lambda path: read.append(path.name) or original(path))
+    monkeypatch.setattr(capture_mod, "_read_safetensors",
+                        lambda path, *args, **kwargs: read.append(path.name) or original(path, *args, **kwargs))
     back = KVCapture.load(tmp_path / "cap")
     assert read == ["tokens.safetensors"]
     back.layer(2)
@@ -276,6 +278,97 @@ def test_load_names_damaged_metadata(tmp_path, text, message):
     (tmp_path / "metadata.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         KVCapture.load(tmp_path)
+
+
+def _write_small_capture(folder, batch=2, kv_heads=1, group=3, context=6, steps=2, dim=8):
+    """A capture folder written by hand, as `KVCapture.save` lays it out (layers 0 and 1, no prefill queries)."""
+    folder.mkdir()
+    length = context + steps
+    metadata = {"format_version": capture_mod.FORMAT_VERSION, "model": {"name": "hand-made", "head_dim": dim,
+                                                                        "num_layers": 2},
+                "dtype": "float32", "batch_size": batch, "context_tokens": context, "decode_steps": steps,
+                "kv_length": length, "sm_scale": dim ** -0.5, "layers": [0, 1], "prefill_layers": [],
+                "kv_heads": list(range(kv_heads)), "query_heads": list(range(kv_heads * group))}
+    (folder / capture_mod.METADATA_FILE).write_text(json.dumps(metadata))
+    save_file({"token_ids": torch.arange(batch * length).view(batch, length),
+               "generated_ids": torch.zeros(batch, steps + 1, dtype=torch.long)}, folder / capture_mod.TOKENS_FILE)
+    for layer in (0, 1):
+        save_file({"k": torch.randn(batch, kv_heads, length, dim), "v": torch.randn(batch, kv_heads, length, dim),
+                   "decode_q": torch.randn(batch, kv_heads * group, steps, dim)},
+                  folder / capture_mod.layer_filename(layer))
+    return metadata
+
+
+def _rewrite_metadata(folder, **changes):
+    path = folder / capture_mod.METADATA_FILE
+    metadata = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            metadata.pop(key)
+        else:
+            metadata[key] = value
+    path.write_text(json.dumps(metadata))
+
+
+def test_a_hand_made_capture_folder_loads(tmp_path):
+    _write_small_capture(tmp_path / "cap")
+    cap = KVCapture.load(tmp_path / "cap")
+    q, k, v = cap.layer(1)
+    assert (q.shape, k.shape, v.shape) == ((2, 3, 2, 8), (2, 1, 8, 8), (2, 1, 8, 8))
+    assert cap.cache_seqlens_for_step(1).tolist() == [8, 8]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_heads=None), "kv_heads must be a list of distinct ints"),
+    (dict(layers=["0"]), "layers must be a list of distinct ints"),
+    (dict(layers=[]), r"layers must be .*\(at least one\)"),
+    (dict(kv_heads=[0, 1]), "3 query heads do not split into groups of the 2 KV heads"),
+    (dict(kv_length=-1), "kv_length must be an int >= 1, got -1"),
+    (dict(kv_length=9), r"kv_length 9 exceeds context_tokens \+ decode_steps \(6 \+ 2\)"),
+    (dict(decode_steps=True), "decode_steps must be an int >= 1, got True"),
+    (dict(model={"name": "x"}), "model must name the model and give its head_dim"),
+    (dict(dtype="float99"), "dtype must name a floating torch dtype, got 'float99'"),
+    (dict(sm_scale=float("nan")), "sm_scale must be a finite number > 0"),
+])
+def test_load_names_the_metadata_field_that_is_damaged(tmp_path, changes, message):
+    _write_small_capture(tmp_path / "cap")
+    _rewrite_metadata(tmp_path / "cap", **changes)
+    with pytest.raises(ValueError, match=f"metadata.json' is damaged: {message}"):
+        KVCapture.load(tmp_path / "cap")
+
+
+def test_load_names_a_damaged_or_mismatched_tensor_file(tmp_path):
+    _write_small_capture(tmp_path / "cap")
+    tokens = tmp_path / "cap" / capture_mod.TOKENS_FILE
+    tokens.write_bytes(tokens.read_bytes()[:50])
+    with pytest.raises(ValueError, match="tokens.safetensors' is not a readable safetensors file"):
+        KVCapture.load(tmp_path / "cap")
+
+    _write_small_capture(tmp_path / "batch")
+    _rewrite_metadata(tmp_path / "batch", batch_size=3)
+    with pytest.raises(ValueError, match=r"token_ids is torch.int64 of shape \(2, 8\), expected an integer tensor "
+                                         r"of shape \(3, 8\)"):
+        KVCapture.load(tmp_path / "batch")
+
+    # layers are read when asked for, and checked then
+    _write_small_capture(tmp_path / "layer")
+    save_file({"k": torch.randn(2, 1, 5, 8), "v": torch.randn(2, 1, 8, 8), "decode_q": torch.randn(2, 3, 2, 8)},
+              tmp_path / "layer" / capture_mod.layer_filename(1))
+    cap = KVCapture.load(tmp_path / "layer")
+    cap.layer(0)
+    with pytest.raises(ValueError, match=r"layer_001.safetensors': k is torch.float32 of shape \(2, 1, 5, 8\), "
+                                         r"expected a floating tensor of shape \(2, 1, 8, 8\) \(or longer"):
+        cap.layer(1)
+    save_file({"k": torch.randn(2, 1, 8, 8), "decode_q": torch.randn(2, 3, 2, 8)},
+              tmp_path / "layer" / capture_mod.layer_filename(1))
+    with pytest.raises(ValueError, match="layer_001.safetensors' holds no 'v'"):
+        cap.layer(1)
+
+
+def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
+    _write_small_capture(tmp_path / "cap")
+    KVCapture.load(tmp_path / "cap").save(tmp_path / "copy")
+    assert (tmp_path / "copy").stat().st_mode & 0o777 == (tmp_path / "cap").stat().st_mode & 0o777
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch):

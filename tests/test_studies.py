@@ -252,6 +252,23 @@ def test_figures_command_writes_every_figure_and_table(tmp_path, capsys):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def test_figures_command_names_a_damaged_benchmark_result_before_writing_anything(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "2026-12-01-art-decode.json").write_text("{\"rows\": []}")
+    (results / "2026-12-02-art-decode.json").write_text("{\"rows\": [")
+    out = tmp_path / "out"
+    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
+                 "--out", str(out)]) == 2
+    assert "stored art-decode result" in (err := capsys.readouterr().err) and "2026-12-02-art-decode.json" in err
+    assert "is not valid JSON" in err
+    assert not out.exists() or not any(out.iterdir())
+    (results / "2026-12-02-art-decode.json").write_text("{\"summary\": {}}")
+    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
+                 "--out", str(out)]) == 2
+    assert "2026-12-02-art-decode.json lacks rows" in capsys.readouterr().err
+
+
 def test_figures_command_needs_one_source(capsys):
     assert main(["figures"]) == 2
     assert "exactly one of --capture" in capsys.readouterr().err
@@ -304,7 +321,7 @@ def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tm
     """``reproduce`` draws the kernel-speed, decode-loop and walk-persistence figures from the newest results of
     their kinds, and lists each suite's summary in the report: the decode loop's per loop (``"<batch>x<seqlen>
     <key>"``, without the per-implementation totals); an older loop result and a kept copy (``-v1``) are not read."""
-    from art_analysis.cli.figures import draw_benchmark_figures
+    from art_analysis.cli.figures import draw_benchmark_figures, read_benchmark_results
     from art_analysis.cli.reproduce import _benchmark_summaries
     from art_analysis.cli.report import _gpu_section
 
@@ -319,7 +336,7 @@ def test_benchmark_figures_and_summaries_take_the_newest_result_of_each_suite(tm
     for name in ("2026-12-04-art-decode.json", "2026-12-02-art-decode-walk-persistence.json"):
         (folder / name).write_text((results / name).read_text())
 
-    figures = draw_benchmark_figures(folder, tmp_path)
+    figures = draw_benchmark_figures(read_benchmark_results(folder), tmp_path)
     assert set(figures) == {"kernel_speed", "decode_loop", "walk_persistence"}
     for name in figures:
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.pdf").exists(), name

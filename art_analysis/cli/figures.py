@@ -10,14 +10,13 @@ newest GPU benchmark JSON in ``--benchmarks`` when there is one.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
-from kernels.results_io import latest_result, write_json_atomic
+from kernels.results_io import latest_result, read_result, write_json_atomic
 
 from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS, ablation_table
 from ..analysis.bounds import BOUND_COLUMNS, BOUND_FORMATS, bound_rules, bound_summary, bound_table
@@ -132,10 +131,27 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
     )
 
 
-def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
-    """The kernel-speed, decode-loop and FlexPrefill-latency figures from the newest GPU results of each in
-    ``benchmarks``, and the walk-persistence figure from the newest analysis of a captured decode loop stored there
-    (``python -m art_analysis.analysis.walk_persistence``); none for a kind the folder holds no result of."""
+# the stored results the benchmark figures are drawn from, and the entries each figure reads
+BENCHMARK_FIGURE_INPUTS = {"art-decode": ("rows",), "art-decode-loop": ("loops",),
+                           "art-decode-walk-persistence": ("walks", "summary"), "flexprefill": ("rows",)}
+
+
+def read_benchmark_results(benchmarks: Path) -> dict[str, dict]:
+    """The newest stored result of each kind of ``BENCHMARK_FIGURE_INPUTS`` in ``benchmarks`` (GPU results, and the
+    analysis of a captured decode loop written by ``python -m art_analysis.analysis.walk_persistence``), each checked
+    to be a JSON object with the entries its figure reads; kinds the folder holds no result of are left out.  Read
+    before a long run, so that a damaged file is named before anything is written."""
+    results = {}
+    for kind, required in BENCHMARK_FIGURE_INPUTS.items():
+        path = latest_result(kind, benchmarks)
+        if path is not None:
+            results[kind] = read_result(path, required, what=f"stored {kind} result")
+    return results
+
+
+def draw_benchmark_figures(results: dict[str, dict], out: Path) -> dict[str, Path]:
+    """The kernel-speed, decode-loop, walk-persistence and FlexPrefill-latency figures of ``results``
+    (:func:`read_benchmark_results`), each where its result is there."""
     from ..plots.decode_loop import decode_loop_figure
     from ..plots.figure_io import save_figure
     from ..plots.flexprefill import plot_latency_vs_gamma
@@ -143,20 +159,15 @@ def draw_benchmark_figures(benchmarks: Path, out: Path) -> dict[str, Path]:
     from ..plots.walk_persistence import walk_persistence_figure
 
     figures = {}
-    decode = latest_result("art-decode", benchmarks)
-    if decode is not None:
-        figures["kernel_speed"] = plot_kernel_speed(json.loads(decode.read_text()), out / "kernel_speed.png")
-    loop = latest_result("art-decode-loop", benchmarks)
-    if loop is not None:
-        figures["decode_loop"] = save_figure(decode_loop_figure(json.loads(loop.read_text())),
-                                             out / "decode_loop.png")
-    persistence = latest_result("art-decode-walk-persistence", benchmarks)
-    if persistence is not None:
-        figures["walk_persistence"] = save_figure(walk_persistence_figure(json.loads(persistence.read_text())),
+    if "art-decode" in results:
+        figures["kernel_speed"] = plot_kernel_speed(results["art-decode"], out / "kernel_speed.png")
+    if "art-decode-loop" in results:
+        figures["decode_loop"] = save_figure(decode_loop_figure(results["art-decode-loop"]), out / "decode_loop.png")
+    if "art-decode-walk-persistence" in results:
+        figures["walk_persistence"] = save_figure(walk_persistence_figure(results["art-decode-walk-persistence"]),
                                                   out / "walk_persistence.png")
-    prefill = latest_result("flexprefill", benchmarks)
-    if prefill is not None:
-        figures["flexprefill_latency"] = plot_latency_vs_gamma(json.loads(prefill.read_text())["rows"],
+    if "flexprefill" in results:
+        figures["flexprefill_latency"] = plot_latency_vs_gamma(results["flexprefill"]["rows"],
                                                                out / "flexprefill_latency_vs_gamma.png")
     return figures
 
@@ -198,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --capture DIR and --synthetic PRESET")
     if args.out is not None:
         check_output_folder(args.out, "--out")
+    benchmark_results = read_benchmark_results(args.benchmarks)
     if args.capture is not None:
         from ..capture import KVCapture
 
@@ -208,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("figures") / name
     studies = run_studies(source, name, block_size=args.block_size, step=args.step, quick=args.quick)
     figures = draw_figures(studies, out)
-    figures.update(draw_benchmark_figures(args.benchmarks, out))
+    figures.update(draw_benchmark_figures(benchmark_results, out))
     write_json_atomic(out / "studies.json", dict(studies.tables(), figures={k: str(p) for k, p in figures.items()}))
     print_studies(studies)
     print(f"\nwrote {len(figures)} figures (PNG + PDF) and studies.json to {out}")

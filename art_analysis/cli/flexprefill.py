@@ -8,13 +8,12 @@ topic-block heads.  The latency figure is drawn from a GPU benchmark JSON
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from kernels.results_io import latest_result, write_json_atomic
+from kernels.results_io import latest_result, read_result, write_json_atomic
 
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
@@ -112,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(args.out, "--out")
     check_output_file(args.json, "--json")
     bench = args.bench_json or latest_result("flexprefill")
-    if bench is not None and not Path(bench).is_file():
-        raise FileNotFoundError(f"benchmark JSON {bench} does not exist")
+    bench_rows = None if bench is None else read_result(bench, ("rows",), what="FlexPrefill benchmark JSON")["rows"]
     quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}
     if args.no_js_eps:
         quirks["js_eps"] = None
@@ -138,9 +136,8 @@ def run(args: argparse.Namespace) -> int:
     print(plot_patterns(torch.stack(js), torch.stack(aware), labels, args.tau, out / "flexprefill_patterns.png"))
     print(plot_kept_vs_gamma(kept_curves, out / "flexprefill_kept_vs_gamma.png"))
     print(plot_error_vs_gamma(error_curves, out / "flexprefill_error_vs_gamma.png"))
-    if bench is not None:
-        print(plot_latency_vs_gamma(json.loads(Path(bench).read_text())["rows"],
-                                    out / "flexprefill_latency_vs_gamma.png"))
+    if bench_rows is not None:
+        print(plot_latency_vs_gamma(bench_rows, out / "flexprefill_latency_vs_gamma.png"))
     if args.export_prefill:
         _export(args.export_prefill, exported)
         print(args.export_prefill)

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kernels.results_io import flat_summary, latest_result, write_json_atomic, write_text_atomic
+from kernels.results_io import flat_summary, latest_result, read_result, write_json_atomic, write_text_atomic
 
 from ..analysis.inputs import traces
 from ..analysis.sensitivity import DEFAULT_ORACLE_EPS, ERROR_BOUND
@@ -34,7 +34,7 @@ from ..rules_summary import standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..termination import ARTConfig
 from . import build_parser
-from .figures import draw_benchmark_figures, draw_figures, print_studies, run_studies
+from .figures import draw_benchmark_figures, draw_figures, print_studies, read_benchmark_results, run_studies
 from .output_paths import check_output_folder
 from .report import render_report
 
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_folder(args.out, "--out")
     if args.captures is not None:
         check_output_folder(args.captures, "--captures")
+    benchmark_results = read_benchmark_results(args.benchmarks)
     flexprefill_json = out / "flexprefill.json"
     flexprefill_args = ["flexprefill", "--out", str(out), "--json", str(flexprefill_json)]
     retention = pd.DataFrame()
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nFlexPrefill block selection against gamma")
     flexprefill = build_parser().parse_args(flexprefill_args)
     flexprefill.func(flexprefill)
-    figures.update(draw_benchmark_figures(args.benchmarks, out))
+    figures.update(draw_benchmark_figures(benchmark_results, out))
     if not retention.empty:
         figures["retention"] = plot_retention(retention, out / "retention.png",
                                               title=f"Retrieval with the rule inside decoding ({context} tokens)")
@@ -164,7 +165,7 @@ def _benchmark_summaries(folder: Path) -> dict:
     for kind in ("art-decode", "art-decode-loop", "flexprefill"):
         found = latest_result(kind, folder)
         if found is not None:
-            payload = json.loads(found.read_text())
+            payload = read_result(found, what=f"stored {kind} result")
             summaries[kind] = dict(file=found.name, device=payload.get("device"), date=payload.get("date"),
                                    source=payload.get("source"), summary=flat_summary(payload) or None)
     return summaries
