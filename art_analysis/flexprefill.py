@@ -54,7 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import check_count
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs, check_selection_params
+from kernels.softmax_scale import softmax_scale
 
 VERTICAL_SLASH = 0
 QUERY_AWARE = 1
@@ -126,11 +128,13 @@ def coverage_count(mass: torch.Tensor, gamma: float) -> torch.Tensor:
     Args:
         mass: ``[..., n]`` non-negative, normalised (sums to 1 along the last dim).
     Returns:
-        ``[...]`` long, ``min{k : sum of the k largest >= gamma}``, capped at ``n`` (rounding
-        can keep a full sum just under ``gamma = 1``).
+        ``[...]`` long, ``min{k : sum of the k largest >= gamma}``, capped at ``n`` and at the number of
+        nonzero entries (at least 1): those hold the whole mass, though a rounded sum of them can stay just
+        under ``gamma = 1``.
     """
     cumulative = mass.sort(dim=-1, descending=True).values.cumsum(dim=-1)
-    return ((cumulative < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1])
+    nonzero = (mass > 0).sum(dim=-1).clamp(min=1)
+    return torch.minimum(((cumulative < gamma).sum(dim=-1) + 1).clamp(max=mass.shape[-1]), nonzero)
 
 
 def descending_rank(scores: torch.Tensor) -> torch.Tensor:
@@ -288,7 +292,8 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: 
     """
     check_prefill_inputs(q, k)
     check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps)
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    check_count(key_chunk, "key_chunk", 1)
+    scale = softmax_scale(sm_scale, q.shape[-1])
     nb = -(-q.shape[2] // block_size)
     min_blocks, max_blocks = block_budgets(min_budget, max_budget, block_size, nb)
 
@@ -334,7 +339,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
     b, hq, n, _ = q.shape
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    scale = softmax_scale(sm_scale, q.shape[-1])
     keys, values = k.to(compute_dtype), v.to(compute_dtype)
     key_pos = torch.arange(n, device=q.device)
     key_block = key_pos // block_size

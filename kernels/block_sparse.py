@@ -11,7 +11,6 @@ The readable reference for both is ``art_analysis.flexprefill`` (``sparse_attent
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +20,11 @@ from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_ta
 from kernels.descriptors import descriptor_ready, host_descriptor
 from kernels.device_info import num_sms
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
-from kernels.prefill_checks import check_block_mask, check_prefill_inputs
+from kernels.int_checks import check_choice, check_count
+from kernels.prefill_checks import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_block_mask, check_kernel_tensors,
+                                     check_prefill_inputs)
+from kernels.softmax_scale import softmax_scale
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -42,6 +42,15 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     heads_first: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value!r}")
+        check_count(self.num_stages, "KernelConfig.num_stages", 1)
+        if self.heads_first is not None and not isinstance(self.heads_first, bool):
+            raise ValueError(f"KernelConfig.heads_first must be True, False or None, got {self.heads_first!r}")
 
 
 PROGRAMS_PER_SM = 2  # programs of the default tiles resident on one multiprocessor
@@ -99,21 +108,10 @@ def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     check_prefill_inputs(q, k, v)
     if not causal:
         raise ValueError("only causal attention is supported (causal=False was requested)")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {x.dtype}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    check_kernel_tensors(("q", q), ("k", k), ("v", v))
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q, k, v must be float16 or bfloat16, got {q.dtype}")
+    check_choice(block_size, "block_size", SUPPORTED_BLOCK_SIZES)
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, *,
@@ -138,12 +136,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     _check_kernel_inputs(q, k, v, block_size, causal)
     check_block_mask(block_mask, q, block_size)
     b, hq, n, d = q.shape
+    scale = softmax_scale(sm_scale, d)
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")
     q, k, v = (x if descriptor_ready(x) else x.contiguous() for x in (q, k, v))
     cols, counts = column_table(block_mask)
-    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out.new_empty(1, 1, 1)
     q_programs = triton.cdiv(n, cfg.block_m)
@@ -185,10 +183,11 @@ def flexprefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ``out [B, Hq, N, D]``, then ``lse`` and/or the estimate when requested.
     """
     _check_kernel_inputs(q, k, v, block_size, causal)
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    scale = softmax_scale(sm_scale, q.shape[-1])
     estimate = estimate_block_mask(
         q, k, gamma=gamma, tau=tau, block_size=block_size, min_budget=min_budget, max_budget=max_budget,
-        sm_scale=scale if estimate_scale is None else float(estimate_scale), budget_divisor=budget_divisor,
+        sm_scale=scale if estimate_scale is None else softmax_scale(estimate_scale, q.shape[-1], "estimate_scale"),
+        budget_divisor=budget_divisor,
         union_vs_for_query_aware=union_vs_for_query_aware, js_eps=js_eps)
     result = block_sparse_attention(q, k, v, estimate.block_mask, block_size=block_size, sm_scale=scale,
                                     return_lse=return_lse, config=config)

@@ -27,7 +27,8 @@ from kernels.flexprefill_estimate_kernel import (block_means_kernel, chunk_sums_
                                                  representative_line_sums_kernel, representative_row_stats_kernel,
                                                  row_lse_kernel, row_ties_kernel, sorted_coverage_kernel,
                                                  vertical_slash_mask_kernel, vertical_slash_select_kernel)
-from kernels.prefill_checks import check_prefill_inputs, check_selection_params
+from kernels.prefill_checks import check_kernel_tensors, check_prefill_inputs, check_selection_params
+from kernels.softmax_scale import softmax_scale
 
 
 @dataclass
@@ -110,14 +111,15 @@ def _token_means(x: torch.Tensor, block_size: int, heads: torch.Tensor | None = 
     """``[B, H, N, D] -> [B, H, nb, D]`` float32 block means over valid tokens; with ``heads``
     (``[S]`` long, flat indices ``b * H + h``) only those heads, ``[1, S, nb, D]``, read in place."""
     b, h, n, d = x.shape
-    if heads is None:
+    all_heads = heads is None
+    if all_heads:
         heads = torch.arange(b * h, device=x.device)
     nb = -(-n // block_size)
     out = torch.empty(heads.numel(), nb, d, dtype=torch.float32, device=x.device)
     tile = min(triton.next_power_of_2(block_size), max(16, 16384 // d))
     block_means_kernel[(heads.numel(), nb)](x, heads, out, n, block_size, h, *x.stride(), *out.stride(),
                                             HEAD_DIM=d, TILE=tile)
-    return out.view(b, h, nb, d) if heads.numel() == b * h else out[None]
+    return out.view(b, h, nb, d) if all_heads else out[None]
 
 
 def pooled_lines(lines: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -244,9 +246,10 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
             Triton interpreter).
     """
     check_prefill_inputs(q, k)
+    check_kernel_tensors(("q", q), ("k", k))
     check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps)
     n, d = q.shape[2], q.shape[3]
-    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    scale = softmax_scale(sm_scale, d)
     nb = -(-n // block_size)
     lowest = min(-(-min_budget // block_size), nb)
     highest = nb if max_budget is None else min(-(-max_budget // block_size), nb)

@@ -248,7 +248,8 @@ def vertical_slash_select_kernel(SORTED, POOLED, KEPT, BUDGETS, seqlen, num_bloc
     """Budget and kept blocks of one normalised line (program ``l`` of the ``B * Hq * 2`` lines).
 
     ``SORTED``: the lines sorted descending; the token budget is the fewest entries whose running
-    sum reaches ``gamma`` (capped at N), in blocks ``clamp(ceil(tokens / divisor), lowest, highest)``
+    sum reaches ``gamma`` (capped at N and at the nonzero entries), in blocks
+    ``clamp(ceil(tokens / divisor), lowest, highest)``
     -> ``BUDGETS [l]`` (int64).  ``KEPT [l, nb]`` (int8): the budget's largest entries of the
     line's block sums ``POOLED [l, nb]`` (:func:`line_blocks_kernel`), ties lowest index first.
     ``NB`` >= nb holds the pooled line.
@@ -258,13 +259,17 @@ def vertical_slash_select_kernel(SORTED, POOLED, KEPT, BUDGETS, seqlen, num_bloc
     offs = tl.arange(0, TILE)
     carry = 0.0
     below = 0
+    nonzero = 0
     for start in range(0, seqlen, TILE):
         idx = start + offs
         ok = idx < seqlen
-        running = carry + tl.cumsum(tl.load(sorted_base + idx * stride_sn, mask=ok, other=0.0), 0)
+        values = tl.load(sorted_base + idx * stride_sn, mask=ok, other=0.0)
+        running = carry + tl.cumsum(values, 0)
         below += tl.sum(((running < gamma) & ok).to(tl.int32), 0)
+        nonzero += tl.sum((values > 0).to(tl.int32), 0)
         carry = tl.max(tl.where(ok, running, 0.0), 0)
-    tokens = tl.minimum(below + 1, seqlen)
+    # the nonzero entries hold the whole mass: a float32 sum that stops short of gamma = 1 counts no zeros
+    tokens = tl.minimum(tl.minimum(below + 1, seqlen), tl.maximum(nonzero, 1)).to(tl.int64)
     budget = tl.minimum(tl.maximum((tokens + divisor - 1) // divisor, lowest), highest)
     tl.store(BUDGETS + line * stride_bl, budget.to(tl.int64))
 
@@ -440,8 +445,8 @@ def sorted_coverage_kernel(SORTED, SUMS, KTH, NEED, n, num_chunks, gamma,
                            TILE: tl.constexpr, CHUNKS: tl.constexpr):
     """Coverage of one descending-sorted row ``SORTED[s, :n]`` (grid ``(S,)``), given its
     ``TILE``-chunk sums ``SUMS [S, num_chunks]``: ``count`` = the fewest leading entries whose
-    running sum reaches ``gamma`` (capped at n), ``KTH[s]`` = the count-th value and ``NEED[s]``
-    (int32) = how many entries equal to it are in (``count`` minus the entries above it).
+    running sum reaches ``gamma`` (capped at n and at the nonzero entries), ``KTH[s]`` = the count-th value and
+    ``NEED[s]`` (int32) = how many entries equal to it are in (``count`` minus the entries above it).
 
     The running sum is the chunk sums' prefix up to the crossing chunk, then a scan of that one
     chunk; the first entry equal to ``KTH`` is found by bisection on the sorted row.
@@ -473,6 +478,8 @@ def sorted_coverage_kernel(SORTED, SUMS, KTH, NEED, n, num_chunks, gamma,
         at_or_below = tl.load(row_base + mid * stride_xn) <= kth
         hi = tl.where(at_or_below, mid, hi)
         lo = tl.where(at_or_below, lo, mid + 1)
+    # the nonzero entries hold the whole mass: a float32 sum that stops short of gamma = 1 takes no zeros
+    count = tl.where((kth == 0.0) & (lo > 0), lo, count)
     tl.store(KTH + row, kth)
     tl.store(NEED + row, (count - lo).to(tl.int32))
 

@@ -5,7 +5,16 @@ Prefill tensors are ``[B, H, N, D]``: queries ``[B, Hq, N, D]``, keys and values
 """
 from __future__ import annotations
 
+import math
+import numbers
+import os
+
 import torch
+
+from .int_checks import check_count
+
+SUPPORTED_HEAD_DIMS = (64, 128)   # of the Triton prefill kernels (estimate and block-sparse attention)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)   # on a GPU; the CPU interpreter takes any float
 
 
 def check_prefill_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -38,27 +47,44 @@ def check_prefill_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | Non
         raise ValueError(f"query heads must be a multiple of KV heads, got {q.shape[1]} and {k.shape[1]}")
 
 
+def check_kernel_tensors(*named: tuple[str, torch.Tensor]) -> None:
+    """The Triton prefill kernels' constraints on tensors that passed :func:`check_prefill_inputs`: a head dim of
+    ``SUPPORTED_HEAD_DIMS``, one dtype, and CUDA tensors (or any device under ``TRITON_INTERPRET=1``)."""
+    (first_name, first), *others = named
+    if first.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {first.shape[-1]}")
+    if any(x.dtype != first.dtype for _, x in others):
+        raise TypeError(f"{', '.join(name for name, _ in named)} must share one dtype, "
+                        f"got {', '.join(str(x.dtype) for _, x in named)}")
+    if first.device.type != "cuda" and not (first.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError(f"the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got "
+                         f"{first_name} on {first.device}")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_selection_params(gamma: float, tau: float, block_size: int, min_budget: int,
                            max_budget: int | None, budget_divisor: int | None, js_eps: float | None) -> None:
-    """Raise ``ValueError`` on out-of-range FlexPrefill parameters."""
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"gamma must lie in (0, 1], got {gamma}")
-    if not tau >= 0.0:
-        raise ValueError(f"tau must be >= 0, got {tau}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if not isinstance(min_budget, int) or min_budget < 0:
-        raise ValueError(f"min_budget must be an int >= 0 (tokens), got {min_budget!r}")
-    if max_budget is not None and (not isinstance(max_budget, int) or max_budget < max(min_budget, 1)):
-        raise ValueError(f"max_budget must be None or an int >= max(min_budget, 1) (tokens), got {max_budget!r}")
-    if budget_divisor is not None and (not isinstance(budget_divisor, int) or budget_divisor < 1):
-        raise ValueError(f"budget_divisor must be None or a positive int, got {budget_divisor!r}")
-    if js_eps is not None and not js_eps > 0.0:
-        raise ValueError(f"js_eps must be None or > 0, got {js_eps}")
+    """Raise ``ValueError`` on out-of-range FlexPrefill parameters (numbers given as bools or tensors included)."""
+    if not (_is_real(gamma) and 0.0 < gamma <= 1.0):
+        raise ValueError(f"gamma must lie in (0, 1] (a real number), got {gamma!r}")
+    if not (_is_real(tau) and tau >= 0.0):
+        raise ValueError(f"tau must be >= 0 (a finite real number), got {tau!r}")
+    check_count(block_size, "block_size", 1)
+    check_count(min_budget, "min_budget", 0, unit="tokens")
+    if max_budget is not None:
+        check_count(max_budget, "max_budget (or None)", max(min_budget, 1), unit="tokens")
+    if budget_divisor is not None:
+        check_count(budget_divisor, "budget_divisor (or None)", 1)
+    if js_eps is not None and not (_is_real(js_eps) and js_eps > 0.0):
+        raise ValueError(f"js_eps must be None or > 0 (a finite real number), got {js_eps!r}")
 
 
 def check_block_mask(block_mask: torch.Tensor, q: torch.Tensor, block_size: int) -> None:
     """Raise unless ``block_mask`` is a bool ``[B, Hq, nb, nb]`` on q's device, ``nb = ceil(N / bs)``."""
+    check_count(block_size, "block_size", 1)
     b, hq, n, _ = q.shape
     nb = -(-n // block_size)
     if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:

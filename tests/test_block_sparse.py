@@ -172,10 +172,12 @@ def test_query_aware_coverage_breaks_flat_ties_in_row_major_order(gamma, lowest,
     assert torch.equal(mask, reference | forced)
 
 
-@pytest.mark.parametrize("tau,max_budget,union", [(0.0, None, False), (0.15, None, False), (1.0, None, False),
-                                                  (1.0, 160, False), (0.15, 96, True)])
-def test_estimated_mask_equals_reference_selection(tau, max_budget, union):
-    q, k, _ = structured_prefill(1, 8, 4, 512, 64, seed=2, dtype=torch.float16, device="cpu")
+@pytest.mark.parametrize("batch,tau,max_budget,union", [(1, 0.0, None, False), (1, 0.15, None, False),
+                                                        (1, 1.0, None, False), (1, 1.0, 160, False),
+                                                        (1, 0.15, 96, True), (2, 1.0, None, False)])
+def test_estimated_mask_equals_reference_selection(batch, tau, max_budget, union):
+    # tau = 1: every head query-aware (at B = 2 the query-aware search takes every head of both sequences)
+    q, k, _ = structured_prefill(batch, 8, 4, 512, 64, seed=2, dtype=torch.float16, device="cpu")
     params = dict(gamma=0.85, tau=tau, block_size=32, min_budget=64, max_budget=max_budget,
                   union_vs_for_query_aware=union)
     estimate = estimate_block_mask(q, k, **params)
@@ -219,6 +221,29 @@ def test_estimated_js_distance_is_nan_where_a_block_has_no_mass_without_epsilon_
         assert torch.equal(estimate.pattern, reference.pattern)
 
 
+def test_kernel_coverage_at_gamma_one_takes_no_zero_entries_as_the_reference():
+    # 33 tokens of mass 1/33 and 31 of none: the float32 running sum stays under 1 at the last nonzero token
+    line = torch.zeros(64)
+    line[:33] = 1.0 / 33
+    lines = torch.stack((line, line)).view(1, 1, 2, 64).contiguous()
+    _, budgets = vertical_slash_blocks(lines, pooled_lines(lines, 1), gamma=1.0, lowest=0, highest=64, divisor=1)
+    assert budgets.flatten().tolist() == coverage_count(lines, 1.0).flatten().tolist() == [33, 33]
+    # query-aware rows that put all their mass on one block each (exp underflows elsewhere)
+    keys = torch.randn(1, 1, 33, 16, generator=torch.Generator().manual_seed(0)) * 30
+    queries = keys[:, :, :1].expand(1, 1, 33, 16).contiguous()
+    kernel = query_aware_blocks(queries, keys, gamma=1.0, scale=1.0, lowest=0, highest=33)
+    reference = query_aware_mask(queries, keys, gamma=1.0, block_size=1, sm_scale=1.0, min_blocks=0, max_blocks=33)
+    assert torch.equal(kernel, reference | torch.eye(33, dtype=torch.bool))
+    assert int(kernel.sum()) < 33 * 34 // 2
+
+
+def test_kernel_budget_in_blocks_does_not_overflow_at_a_divisor_near_two_to_the_31():
+    lines = torch.full((1, 1, 2, 64), 1.0 / 64)
+    _, budgets = vertical_slash_blocks(lines, pooled_lines(lines, 1), gamma=0.5, lowest=0, highest=64,
+                                       divisor=2 ** 31 - 1)
+    assert budgets.flatten().tolist() == [1, 1]
+
+
 def test_flexprefill_attention_chains_estimation_and_kernel():
     q, k, v = structured_prefill(1, 4, 2, 256, 64, seed=4, dtype=torch.float16, device="cpu")
     out, lse, estimate = flexprefill_attention(q, k, v, gamma=0.9, tau=0.1, block_size=32, min_budget=32,
@@ -237,6 +262,9 @@ def test_flexprefill_attention_chains_estimation_and_kernel():
     (dict(causal=False), ValueError, "only causal"),
     (dict(block_size=48), ValueError, "block_size"),
     (dict(mask_blocks=3), ValueError, "block_mask must have shape"),
+    (dict(block_size=32.0), ValueError, r"block_size must be one of \(16, 32, 64, 128, 256\), got 32.0"),
+    (dict(sm_scale=-0.125), ValueError, "sm_scale must be a positive finite number"),
+    (dict(config=(0, 32, 4, 1)), ValueError, "KernelConfig.block_m must be a power of two, got 0"),
 ])
 def test_kernel_rejects_bad_input(change, error, match):
     d = change.get("d", 64)
@@ -246,8 +274,24 @@ def test_kernel_rejects_bad_input(change, error, match):
     nb = change.get("mask_blocks", 4)
     mask = torch.ones(1, 2, nb, nb, dtype=torch.bool)
     with pytest.raises(error, match=match):
+        config = KernelConfig(*change["config"]) if "config" in change else None
         block_sparse_attention(q, k, k, mask, block_size=change.get("block_size", 32),
-                               causal=change.get("causal", True))
+                               causal=change.get("causal", True), sm_scale=change.get("sm_scale"), config=config)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(d=96), ValueError, r"head dim must be one of \(64, 128\), got 96"),
+    (dict(k_dtype=torch.float32), TypeError, "q, k must share one dtype, got torch.float16, torch.float32"),
+    (dict(sm_scale=0.0), ValueError, "sm_scale must be a positive finite number, got 0.0"),
+    (dict(budget_divisor=True), ValueError, r"budget_divisor \(or None\) must be a positive int, got True"),
+])
+def test_estimate_rejects_bad_input(change, error, match):
+    d = change.get("d", 64)
+    q = torch.randn(1, 2, 128, d).half()
+    k = torch.randn(1, 1, 128, d).to(change.get("k_dtype", torch.float16))
+    with pytest.raises(error, match=match):
+        estimate_block_mask(q, k, block_size=32, sm_scale=change.get("sm_scale"),
+                            budget_divisor=change.get("budget_divisor"))
 
 
 @pytest.mark.parametrize("batch, heads", [(0, 2), (1, 0)])

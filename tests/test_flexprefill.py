@@ -49,6 +49,10 @@ def test_coverage_count_is_the_shortest_prefix_reaching_gamma():
     assert coverage_count(mass, 0.81).item() == 3
     assert coverage_count(mass, 1.0).item() == 3
     assert coverage_count(torch.tensor([[0.7, 0.3], [0.5, 0.5]]), 0.6).tolist() == [1, 2]
+    # a normalised float32 mass whose sum rounds to just under 1: gamma = 1 takes the nonzero entries, no zeros
+    short = torch.tensor([0.5, 0.49999994, 0.0, 0.0])
+    assert short.sum().item() < 1.0 and coverage_count(short, 1.0).item() == 2
+    assert coverage_count(torch.zeros(3), 1.0).item() == 1
 
 
 def test_descending_rank_breaks_ties_by_lower_index():
@@ -214,6 +218,14 @@ def test_gamma_sweep_error_falls_and_kept_fraction_rises_with_gamma():
     (dict(min_budget=512, max_budget=256), "max_budget"),
     (dict(budget_divisor=0), "budget_divisor"),
     (dict(js_eps=0.0), "js_eps"),
+    (dict(gamma=torch.tensor(0.9)), r"gamma must lie in \(0, 1\] \(a real number\), got tensor"),
+    (dict(tau=True), r"tau must be >= 0 \(a finite real number\), got True"),
+    (dict(block_size=True), "block_size must be a positive int, got True"),
+    (dict(block_size=32.0), "block_size must be a positive int, got 32.0"),
+    (dict(budget_divisor=True), r"budget_divisor \(or None\) must be a positive int, got True"),
+    (dict(key_chunk=-1), "key_chunk must be a positive int, got -1"),
+    (dict(sm_scale=0.0), "sm_scale must be a positive finite number, got 0.0"),
+    (dict(sm_scale=float("nan")), "sm_scale must be a positive finite number, got nan"),
 ])
 def test_select_blocks_rejects_bad_parameters(kwargs, match):
     q, k, _ = _qkv(n=64)
