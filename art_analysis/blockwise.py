@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.softmax_scale import softmax_scale
+
 from .checks import check_block_size, check_cache_seqlens, check_finite_cache, check_float_tensor, check_kv_cache
 from .orders import traversal_order, walkable_blocks
 
@@ -186,11 +188,7 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
     check_finite_cache(k, v, seqlens)
     if not torch.isfinite(q).all():
         raise ValueError("q holds NaN or Inf")
-    if sm_scale is None:
-        sm_scale = dim ** -0.5
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    return seqlens, float(sm_scale)
+    return seqlens, softmax_scale(sm_scale, dim)
 
 
 def _to_query_heads(x: torch.Tensor) -> torch.Tensor:

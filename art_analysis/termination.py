@@ -28,14 +28,15 @@ single-split kernel call.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 import torch
 
 from .blockwise import BlockTrace, blockwise_attention
-from .checks import check_fraction
+from kernels.art_params import check_switches, check_threshold
+
+from .checks import check_fraction, check_int
 
 PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIM_NAMES = ("full", "mma")
@@ -88,14 +89,9 @@ class ARTConfig:
 
     def __post_init__(self) -> None:
         for name in ("tau", "phi"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 \
-                    or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
-        if not isinstance(self.min_steps, int) or self.min_steps < 0:
-            raise ValueError(f"min_steps must be an int >= 0, got {self.min_steps!r}")
+            object.__setattr__(self, name, check_threshold(getattr(self, name), name))
+        check_int(self.patience, "patience", 1)
+        check_int(self.min_steps, "min_steps", 0)
         if self.probe_source not in PROBE_SOURCES:
             raise ValueError(f"probe_source must be one of {PROBE_SOURCES}, got {self.probe_source!r}")
         if isinstance(self.probe_dims, torch.Tensor):
@@ -108,8 +104,7 @@ class ARTConfig:
         if self.scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
         _check_group(self.group)
-        if not (self.use_scale or self.use_direction):
-            raise ValueError("at least one of use_scale and use_direction must be True")
+        check_switches(self, ("use_scale", "use_direction"))
 
     @classmethod
     def paper(cls, **overrides) -> "ARTConfig":
@@ -151,8 +146,7 @@ class Oracle:
     group: str = "head"
 
     def __post_init__(self) -> None:
-        if not self.eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        object.__setattr__(self, "eps", check_threshold(self.eps, "eps"))
         _check_group(self.group)
 
     @property
@@ -183,8 +177,7 @@ class FixedBudget:
     steps: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+        check_int(self.steps, "steps", 1)
 
     @property
     def name(self) -> str:
@@ -387,8 +380,10 @@ def one_minus_cos(x: torch.Tensor, y: torch.Tensor, norm_x: torch.Tensor, norm_y
     The same value as ``1 - x.y / (|x| |y|)``, without its cancellation: near 1 that quotient carries an
     fp32 rounding error of about ``sqrt(D) * 6e-8``, which is the size of the default ``phi = 1e-6``
     itself (on 8k-32k synthetic traces the median relative error of ``1 - cos`` where it is below 1e-5 is
-    0.4-1 that way, 2e-5 this way).  1 where ``|x| |y| <= 1e-30`` (a zero vector has no direction).  The
-    kernel's monitor evaluates the same expression."""
+    0.4-1 that way, 2e-5 this way).  Never below 0, as ``1 - cos`` (a rounding below 0 would pass ``phi = 0``);
+    1 where ``|x| |y| <= 1e-30`` (a zero vector has no direction).  The kernel's monitor evaluates the same
+    expression."""
     moved = ((x - y) ** 2).sum(-1)
     product = norm_x * norm_y
-    return torch.where(product > _TINY, (moved - (norm_x - norm_y) ** 2) / (2 * torch.clamp(product, min=_TINY)), 1.0)
+    spread = torch.clamp(moved - (norm_x - norm_y) ** 2, min=0.0)
+    return torch.where(product > _TINY, spread / (2 * torch.clamp(product, min=_TINY)), 1.0)

@@ -399,7 +399,6 @@ the split count that the capture's capacity would otherwise pick.  An eager loop
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -410,8 +409,9 @@ from .art_decode_kernel import HORIZON_CAP, art_decode_split_kernel
 from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
-from .int_checks import check_count
+from .int_checks import check_choice, check_count
 from .pair_walks import PairWalks
+from .softmax_scale import softmax_scale
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
                          dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
                          on_demand_plan, one_wave_dense_splits, planned_result_steps)
@@ -568,14 +568,11 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     if block_size is None:
         block_size = ART_BLOCK_SIZE if art is not None else dense_block_size(k_cache.shape[1] if paged else None,
                                                                              head_dim, batch * kv_heads, q.device)
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    check_choice(block_size, "block_size", BLOCK_SIZES)
     if art is not None and not isinstance(art, ARTParams):
         raise TypeError(f"art must be kernels.art_params.ARTParams or None, got {type(art).__name__} "
                         "(ARTConfig.kernel_params() converts)")
-    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    sm_scale = softmax_scale(sm_scale, head_dim)
     capacity_name = ("block_table too short: max_pages * page_size" if paged else "S of the contiguous cache")
     # inside a CUDA-graph capture no value can be read back: the lengths and pages go unchecked, and the grid is
     # sized for the capacity, so that every replay may change the lengths in place; read_lengths=False asks for the
@@ -678,7 +675,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                release_step: int | None = None, read_lengths: bool = True, return_lse: bool = False,
                return_stats: bool = False, return_result_steps: bool = False):
     """Decode attention with optional ART termination: the walk that :func:`plan_decode` resolves from the same
-    arguments, in one launch.
+    arguments, in one launch.  The cache's values are not checked (that would read all of it): a NaN among the
+    scores or values a pair walks makes its query heads' outputs and ``lse`` NaN, as dense attention does.
 
     Args:
         q: ``[B, Hq, D]`` one query per sequence (fp16, bf16 or fp32), ``D`` in ``HEAD_DIMS``.
@@ -982,7 +980,7 @@ def _check_tensors(q, k_cache, v_cache, block_table):
     if len(devices) != 1:
         raise ValueError("q, k_cache, v_cache (and block_table) must be on one device, "
                          f"got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError(f"art_decode runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1), got {q.device}")
     batch, q_heads, head_dim = q.shape
     if batch < 1 or q_heads < 1:

@@ -318,7 +318,10 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     (``art_analysis.termination.one_minus_cos``)::
 
         d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
-        d_dir   < phi  <=>  |x - x_old|^2 - (n - n_old)^2 < 2 phi n n_old  and  n n_old > 1e-30
+        d_dir   < phi  <=>  max(|x - x_old|^2 - (n - n_old)^2, 0) < 2 phi n n_old   where n n_old > 1e-30
+                       <=>  1 < phi                                              elsewhere (d_dir = 1)
+
+    (the ``max`` keeps a rounding below zero from passing ``phi = 0``, as in the simulator).
     """
     square = acc_new * acc_new
     if PROBE_MMA:
@@ -352,7 +355,8 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     if USE_DIRECTION:
         radial = norm - norm_old
         both = norm * norm_old
-        stable = stable & (moved - radial * radial < 2.0 * phi * both) & (both > 1e-30)
+        stable = stable & tl.where(both > 1e-30, tl.maximum(moved - radial * radial, 0.0) < 2.0 * phi * both,
+                                   1.0 < phi)
     count = tl.where(stable, count + 1, 0)
     done = done | (count >= patience).to(tl.int32)
     return norm, count, done
@@ -824,10 +828,12 @@ def art_decode_split_kernel(
         visited = end - start
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
-    has_mass = l > 0.0
-    l_safe = tl.where(has_mass, l, 1.0)
-    out = tl.where(has_mass[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(has_mass, m * sm_scale + tl.log(l_safe), float("-inf"))
+    # a split that walked nothing has l = 0; a NaN among the scores or values gives NaN (out and lse), as in
+    # dense attention, rather than the empty split's 0 and -inf
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), m * sm_scale + tl.log(l_safe))
     if SINGLE_SPLIT:
         _store_output(out_ptr, lse_ptr, kept_ptr, out, lse, b, bh, heads, dims, row_valid, num_kv_heads, stride_ob,
                       stride_oh, GROUP, RECORD_KEPT)

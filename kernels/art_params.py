@@ -21,6 +21,7 @@ never recompiles.  The monitor semantics (identical to the simulator's
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .int_checks import check_count
@@ -29,6 +30,24 @@ PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIMS = ("full", "mma")
 SCALES = ("relative", "absolute")
 INT32_MAX = 2 ** 31 - 1    # patience and min_steps reach the kernel as int32 scalars
+
+
+def check_threshold(value, name: str) -> float:
+    """A threshold (``tau``, ``phi``, an oracle's ``eps``): a finite real number ``>= 0`` (NumPy scalars included, a
+    ``bool`` not); returned as a ``float``, else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_switches(holder, names: tuple[str, ...]) -> None:
+    """The ablation switches ``names`` of ``holder`` must be ``bool`` (a string such as ``"no"`` would read as
+    true), and at least one of them true."""
+    for name in names:
+        if not isinstance(getattr(holder, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(holder, name)!r}")
+    if not any(getattr(holder, name) for name in names):
+        raise ValueError(f"at least one of {' and '.join(names)} must be True")
 
 
 @dataclass(frozen=True)
@@ -47,10 +66,7 @@ class ARTParams:
 
     def __post_init__(self) -> None:
         for name in ("tau", "phi"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                    and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, check_threshold(getattr(self, name), name))
         check_count(self.patience, "patience", 1, INT32_MAX, unit="steps")
         check_count(self.min_steps, "min_steps", 0, INT32_MAX, unit="steps")
         if self.probe_source not in PROBE_SOURCES:
@@ -59,5 +75,4 @@ class ARTParams:
             raise ValueError(f"probe_dims must be one of {PROBE_DIMS} in the kernel, got {self.probe_dims!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
-        if not (self.use_scale or self.use_direction):
-            raise ValueError("at least one of use_scale / use_direction must be enabled")
+        check_switches(self, ("use_scale", "use_direction"))

@@ -898,6 +898,51 @@ def test_zero_thresholds_are_bit_identical_to_dense(splits, page_size):
         assert torch.equal(a, b)
 
 
+def test_zero_thresholds_of_the_direction_test_alone_are_bit_identical_to_dense():
+    # one value vector for every token: the output never moves, so 1 - cos is 0 up to rounding, which must not
+    # pass phi = 0 (without the scale test nothing else holds the walk back)
+    from kernels.art_params import ARTParams
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 1, 1024, 64, generator=gen)
+    v = torch.randn(1, 1, 1, 64, generator=gen).expand(1, 1, 1024, 64).contiguous()
+    dense = art_decode(q, k, v, block_size=64, num_splits=1, return_lse=True, return_stats=True)
+    config = ARTConfig(tau=0.0, phi=0.0, patience=1, use_scale=False)
+    never = art_decode(q, k, v, block_size=64, num_splits=1, art=config.kernel_params(), return_lse=True,
+                       return_stats=True)
+    for a, b in zip(dense, never):
+        assert torch.equal(a, b)
+    expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
+    assert expected.tolist() == [[16]]
+
+
+@pytest.mark.parametrize("phi, steps", [(0.5, 10), (1.5, 3)])
+def test_a_zero_probe_has_direction_change_one_as_in_the_simulator(phi, steps):
+    # V = 0: every probe is the zero vector, whose 1 - cos is 1 by definition: stable exactly where phi > 1
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 64, generator=gen).half(), torch.randn(1, 1, 640, 64, generator=gen).half()
+    v = torch.zeros(1, 1, 640, 64, dtype=torch.float16)
+    config = ARTConfig(tau=1e9, phi=phi, patience=2)
+    expected, _ = simulator_stop(q, k, v, None, config, "sink_recency")
+    _, got = art_decode(q, k, v, art=config.kernel_params(), num_splits=1, return_stats=True)
+    assert got[..., 0].tolist() == expected.tolist() == [[steps]]
+
+
+@pytest.mark.parametrize("splits, never_stops", [(1, False), (3, False), (3, True)])
+def test_a_nan_in_the_cache_gives_nan_outputs_for_its_group_only(splits, never_stops):
+    from kernels.art_params import ARTParams
+
+    q, k, v = synthetic_inputs(2, 4, 2, 300, 64, torch.float16, CPU, seed=3)
+    art = ARTParams(tau=0.0, phi=0.0, patience=2) if never_stops else None
+    clean, clean_lse = art_decode(q, k, v, num_splits=splits, block_size=64, art=art, return_lse=True)
+    k[0, 1, 100, 5] = float("nan")
+    out, lse = art_decode(q, k, v, num_splits=splits, block_size=64, art=art, return_lse=True)
+    group = torch.zeros(2, 4, dtype=torch.bool)
+    group[0, 2:] = True   # the query heads of KV head 1 of sequence 0
+    assert out[group].isnan().all() and lse[group].isnan().all()
+    assert torch.equal(out[~group], clean[~group]) and torch.equal(lse[~group], clean_lse[~group])
+
+
 def test_outputs_fully_written_over_nan_poisoned_buffers(monkeypatch):
     def poisoned(shape, dtype, device):
         fill = float("nan") if dtype.is_floating_point else -7

@@ -21,7 +21,7 @@ from kernels.art_params import INT32_MAX, ARTParams
     (dict(min_steps=-1), r"min_steps must be an int in \[0, 2147483647\] \(steps\), got -1"),
     (dict(min_steps=1.0), r"min_steps must be an int in \[0, 2147483647\] \(steps\), got 1.0"),
     (dict(probe_dims="half"), "probe_dims must be one of"),
-    (dict(use_scale=False, use_direction=False), "at least one of use_scale / use_direction"),
+    (dict(use_scale=False, use_direction=False), "at least one of use_scale and use_direction must be True"),
 ])
 def test_settings_the_kernel_cannot_take_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

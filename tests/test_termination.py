@@ -235,10 +235,34 @@ def test_paper_preset_and_kernel_params():
     (dict(min_steps=-1), "min_steps"), (dict(probe_source="value"), "probe_source"),
     (dict(probe_dims="half"), "probe_dims"), (dict(scale="log"), "scale"), (dict(group="any"), "group"),
     (dict(use_scale=False, use_direction=False), "at least one"),
+    (dict(use_scale="no"), "use_scale must be True or False, got 'no'"),
+    (dict(tau=True), "tau must be a finite number >= 0, got True"),
 ])
 def test_bad_config_gets_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ARTConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(patience=True), "patience must be an int, got bool"), (dict(patience=2.0), "patience must be an int"),
+    (dict(min_steps=False), "min_steps must be an int, got bool"),
+])
+def test_counts_given_as_bools_or_floats_are_refused(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        ARTConfig(**kwargs)
+    with pytest.raises(TypeError, match="steps must be an int, got bool"):
+        FixedBudget(True)
+
+
+def test_thresholds_take_any_real_number_and_hold_floats():
+    import numpy as np
+
+    config = ARTConfig(tau=np.float32(0.25), phi=np.float64(1e-3))
+    assert (config.tau, config.phi) == (0.25, 1e-3) and type(config.tau) is float
+    assert type(config.kernel_params().tau) is float
+    assert Oracle(np.float32(0.5)).eps == 0.5
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0, got True"):
+        Oracle(True)
 
 
 def test_bad_baselines_and_rules():
