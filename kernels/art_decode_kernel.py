@@ -318,10 +318,11 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     (``art_analysis.termination.one_minus_cos``)::
 
         d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
-        d_dir   < phi  <=>  max(|x - x_old|^2 - (n - n_old)^2, 0) < 2 phi n n_old   where n n_old > 1e-30
-                       <=>  1 < phi                                              elsewhere (d_dir = 1)
+        d_dir   < phi  <=>  |x - x_old|^2 - (n - n_old)^2 < 2 phi n n_old  and  phi > 0   where n n_old > 1e-30
+                       <=>  1 < phi                                                    elsewhere (d_dir = 1)
 
-    (the ``max`` keeps a rounding below zero from passing ``phi = 0``, as in the simulator).
+    (``phi > 0``: ``1 - cos`` is never below 0, so a rounding below zero must not pass ``phi = 0``; the simulator
+    clamps it at 0.  The two scalar tests are loop-invariant, off the step's chain of dependent operations.)
     """
     square = acc_new * acc_new
     if PROBE_MMA:
@@ -355,8 +356,8 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     if USE_DIRECTION:
         radial = norm - norm_old
         both = norm * norm_old
-        stable = stable & tl.where(both > 1e-30, tl.maximum(moved - radial * radial, 0.0) < 2.0 * phi * both,
-                                   1.0 < phi)
+        stable = stable & tl.where(both > 1e-30, (moved - radial * radial < 2.0 * phi * both) & (phi > 0.0),
+                                   phi > 1.0)
     count = tl.where(stable, count + 1, 0)
     done = done | (count >= patience).to(tl.int32)
     return norm, count, done
