@@ -405,7 +405,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from .art_decode_kernel import HORIZON_CAP, art_decode_split_kernel
+from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, HORIZON_CAP, art_decode_split_kernel
 from .art_params import ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
@@ -819,7 +819,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         PAGED=paged, SINK_RECENCY=plan.order == "sink_recency", SINGLE_SPLIT=single,
         ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
         PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
-        USE_SCALE=monitor.use_scale, USE_DIRECTION=monitor.use_direction, ART_CHUNK=ART_CHUNK,
+        USE_SCALE=monitor.use_scale, USE_DIRECTION=_direction_build(monitor), ART_CHUNK=ART_CHUNK,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
@@ -955,6 +955,15 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
     else:
         warps, stages = 2, 3
     return warps, stages + (PAGE_TABLE_STAGES if paged else 0)
+
+
+def _direction_build(monitor: ARTParams) -> int:
+    """The monitor's direction-test build (``USE_DIRECTION``): the guards of a zero probe (``1 - cos = 1``, stable
+    only where ``phi > 1``) and of ``phi = 0`` (a rounding below zero must not pass) are compiled in only for a
+    ``phi`` outside ``(0, 1]``, where they can change a step; within it they hold and cost latency."""
+    if not monitor.use_direction:
+        return DIRECTION_OFF.value
+    return (DIRECTION_ON if 0.0 < monitor.phi <= 1.0 else DIRECTION_GUARDED).value
 
 
 def _check_tensors(q, k_cache, v_cache, block_table):

@@ -87,6 +87,9 @@ GAVE_UP = tl.constexpr(1 << 18)       # on-demand followers: one stopped waiting
 AWAITED = tl.constexpr(CONVERGED.value | RELEASED.value | GAVE_UP.value)  # the bits that end an on-demand wait
 CHUNK_HINT_SHIFT = tl.constexpr(19)   # released followers: bits 19-30 of the word hold the leader's chunk end ...
 CHUNK_HINT_WALKED = tl.constexpr(4095)  # ... past the release, or this value once the leader walks no further
+DIRECTION_OFF = tl.constexpr(0)       # USE_DIRECTION: the monitor's direction test left out (an ablation) ...
+DIRECTION_ON = tl.constexpr(1)        # ... in, for 0 < phi <= 1 (the guards of a zero probe and of phi = 0 drop out)
+DIRECTION_GUARDED = tl.constexpr(2)   # ... in, for phi = 0 or phi > 1
 
 
 @triton.jit
@@ -322,7 +325,9 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
                        <=>  1 < phi                                                    elsewhere (d_dir = 1)
 
     (``phi > 0``: ``1 - cos`` is never below 0, so a rounding below zero must not pass ``phi = 0``; the simulator
-    clamps it at 0.  The two scalar tests are loop-invariant, off the step's chain of dependent operations.)
+    clamps it at 0.)  ``USE_DIRECTION``: ``DIRECTION_OFF``, ``DIRECTION_ON`` for ``0 < phi <= 1``, where both
+    guards are true and drop out (each cost latency-bound walks up to 1 % on an H100), or ``DIRECTION_GUARDED``
+    for any other ``phi``.
     """
     square = acc_new * acc_new
     if PROBE_MMA:
@@ -356,8 +361,11 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
     if USE_DIRECTION:
         radial = norm - norm_old
         both = norm * norm_old
-        stable = stable & tl.where(both > 1e-30, (moved - radial * radial < 2.0 * phi * both) & (phi > 0.0),
-                                   phi > 1.0)
+        if USE_DIRECTION == DIRECTION_GUARDED:
+            stable = stable & tl.where(both > 1e-30, (moved - radial * radial < 2.0 * phi * both) & (phi > 0.0),
+                                       phi > 1.0)
+        else:
+            stable = stable & (moved - radial * radial < 2.0 * phi * both) & (both > 1e-30)
     count = tl.where(stable, count + 1, 0)
     done = done | (count >= patience).to(tl.int32)
     return norm, count, done

@@ -916,6 +916,15 @@ def test_zero_thresholds_of_the_direction_test_alone_are_bit_identical_to_dense(
     assert expected.tolist() == [[16]]
 
 
+def test_the_direction_test_guards_are_built_in_only_for_phi_outside_zero_to_one():
+    from kernels.art_params import ARTParams
+
+    builds = {phi: art_decode_module._direction_build(ARTParams(phi=phi)) for phi in (0.0, 1e-6, 1.0, 1.5)}
+    assert builds == {0.0: 2, 1e-6: 1, 1.0: 1, 1.5: 2}
+    assert art_decode_module._direction_build(ARTParams(use_direction=False)) == 0
+    assert art_decode_module._direction_build(art_decode_module.ARTParams()) == art_decode_kernel.DIRECTION_ON.value
+
+
 @pytest.mark.parametrize("phi, steps", [(0.5, 10), (1.5, 3)])
 def test_a_zero_probe_has_direction_change_one_as_in_the_simulator(phi, steps):
     # V = 0: every probe is the zero vector, whose 1 - cos is 1 by definition: stable exactly where phi > 1
