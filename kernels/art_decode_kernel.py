@@ -837,11 +837,11 @@ def art_decode_split_kernel(
         visited = end - start
 
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
-    # a split that walked nothing has l = 0; a NaN among the scores or values gives NaN (out and lse), as in
-    # dense attention, rather than the empty split's 0 and -inf
+    # a split that walked nothing has l = 0 and acc = 0: out 0, lse -inf; a NaN among the scores or values gives
+    # NaN (out and lse), as in dense attention
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
-    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), m * sm_scale + tl.log(l_safe))
     if SINGLE_SPLIT:
         _store_output(out_ptr, lse_ptr, kept_ptr, out, lse, b, bh, heads, dims, row_valid, num_kv_heads, stride_ob,
