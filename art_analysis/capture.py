@@ -306,7 +306,10 @@ class KVCapture:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         view = self._view
         if device is not None:
-            view = replace(view, device=torch.device(device))
+            try:
+                view = replace(view, device=torch.device(device))
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
         if dtype is not None:
             view = replace(view, dtype=dtype)
         return self._derive(view)

@@ -62,6 +62,9 @@ def traversal_order(order: str | torch.Tensor, walkable: torch.Tensor,
     else:
         if block_scores is None:
             raise ValueError("order='importance' needs block_scores [B, Hkv, num_blocks]")
+        if not isinstance(block_scores, torch.Tensor) or not block_scores.is_floating_point():
+            got = block_scores.dtype if isinstance(block_scores, torch.Tensor) else type(block_scores).__name__
+            raise TypeError(f"block_scores must be a floating-point tensor [B, Hkv, num_blocks], got {got}")
         if tuple(block_scores.shape) != (batch, kv_heads, num_blocks):
             raise ValueError(f"block_scores must have shape {(batch, kv_heads, num_blocks)}, "
                              f"got {tuple(block_scores.shape)}")

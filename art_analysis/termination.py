@@ -240,6 +240,8 @@ def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
     """Blocks the kernel's single-split program of each ``(b, kv_head)`` loads: ``[B, Hkv]`` int64, the group's
     stop step + 1, for a ``result`` of a rule with ``group="all"`` (the kernel's rule: every query head of a
     KV head stops at one step) on a trace with ``kv_heads`` KV heads."""
+    if not isinstance(result, StopResult):
+        raise TypeError(f"result must be the StopResult of `stop`, got {type(result).__name__}")
     batch, q_heads = result.stop_step.shape
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"kv_heads must divide the {q_heads} query heads, got {kv_heads}")

@@ -901,8 +901,6 @@ def test_zero_thresholds_are_bit_identical_to_dense(splits, page_size):
 def test_zero_thresholds_of_the_direction_test_alone_are_bit_identical_to_dense():
     # one value vector for every token: the output never moves, so 1 - cos is 0 up to rounding, which must not
     # pass phi = 0 (without the scale test nothing else holds the walk back)
-    from kernels.art_params import ARTParams
-
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 1, 1024, 64, generator=gen)
     v = torch.randn(1, 1, 1, 64, generator=gen).expand(1, 1, 1024, 64).contiguous()

@@ -365,6 +365,12 @@ def test_load_names_a_damaged_or_mismatched_tensor_file(tmp_path):
         cap.layer(1)
 
 
+def test_to_names_a_device_that_is_not_one(tmp_path):
+    _write_small_capture(tmp_path / "cap")
+    with pytest.raises(ValueError, match="device must name a torch device .*got 'nope'"):
+        KVCapture.load(tmp_path / "cap").to(device="nope")
+
+
 def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
     _write_small_capture(tmp_path / "cap")
     KVCapture.load(tmp_path / "cap").save(tmp_path / "copy")

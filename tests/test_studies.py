@@ -13,7 +13,8 @@ from art_analysis.analysis.composition import compose_with_art
 from art_analysis.analysis.convergence import convergence_curves, error_at, error_curve, recent_window_curves
 from art_analysis.analysis.inputs import DecodeInput, decode_inputs, traces
 from art_analysis.analysis.misalignment import misaligned_tokens, misalignment_rates
-from art_analysis.analysis.sensitivity import baseline_sweep, pareto_front, pick_default, threshold_grid
+from art_analysis.analysis.sensitivity import (baseline_sweep, choose_setting, pareto_front, pick_default,
+                                               threshold_grid)
 from art_analysis.cli import main
 from art_analysis.analysis.bounds import bound_rules
 from art_analysis.synthetic import synthetic_cache
@@ -157,6 +158,9 @@ def test_threshold_grid_rows_equal_single_evaluations(walks):
     assert best["loaded_fraction"] == grid["loaded_fraction"].min()
     with pytest.raises(ValueError, match="no setting"):
         pick_default(grid, max_p99_error=-1.0)
+    assert choose_setting(grid, max_p99_error=-1.0)["within_bound"] is False
+    with pytest.raises(ValueError, match="the grid's table is empty"):
+        choose_setting(grid.iloc[:0])
 
 
 def test_false_stops_are_the_heads_stopped_before_the_oracle(walks):
@@ -267,6 +271,31 @@ def test_figures_command_names_a_damaged_benchmark_result_before_writing_anythin
     assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
                  "--out", str(out)]) == 2
     assert "2026-12-02-art-decode.json lacks rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["evaluate", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["evaluate", "--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["capture", "--depth", "2", "--source", "passkey"], "--depth must lie in [0, 1], got 2.0"),
+    (["reproduce", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["reproduce", "--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
+])
+def test_commands_check_their_options_before_loading_the_model(argv, message, tmp_path, monkeypatch, capsys):
+    from art_analysis import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    out = ["--out", str(tmp_path / "out")] if argv[0] in ("capture", "reproduce") else []
+    assert main(argv + out) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_capture_layer_lists_are_indices(capsys):
+    with pytest.raises(SystemExit):
+        main(["capture", "--prefill-layers", "0,-1", "--out", "x"])
+    assert "layer indices must be >= 0, got '0,-1'" in capsys.readouterr().err
 
 
 def test_figures_command_needs_one_source(capsys):

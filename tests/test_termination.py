@@ -277,6 +277,8 @@ def test_bad_baselines_and_rules():
         stop(trace, "art")
     with pytest.raises(ValueError, match="probe_dims"):
         stop(trace, ARTConfig(probe_dims=torch.tensor([5])))
+    with pytest.raises(TypeError, match="result must be the StopResult of `stop`, got NoneType"):
+        kernel_walk_steps(None, 2)
 
 
 def test_kernel_walk_steps_are_the_group_stop_plus_one_per_kv_head():

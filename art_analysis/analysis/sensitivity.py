@@ -96,6 +96,8 @@ def _plain(row: pd.Series) -> dict:
 def choose_setting(rows: pd.DataFrame, max_p99_error: float = ERROR_BOUND) -> dict:
     """:func:`pick_default` plus ``within_bound=True``; when no setting meets the bound, the setting
     with the smallest 99th-percentile error, with ``within_bound=False``."""
+    if rows.empty:
+        raise ValueError("no threshold setting to choose from: the grid's table is empty")
     try:
         return dict(pick_default(rows, max_p99_error), within_bound=True)
     except ValueError:

@@ -24,9 +24,12 @@ STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def _layer_list(value: str) -> list[int]:
     try:
-        return [int(part) for part in value.split(",") if part.strip()]
+        layers = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,15,29, got {value!r}")
+    if any(layer < 0 for layer in layers):
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {value!r}")
+    return layers
 
 
 def register(subparsers) -> None:
@@ -73,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.depth <= 1:
+        raise ValueError(f"--depth must lie in [0, 1], got {args.depth}")
     loaded = load_model(args.model)
     seeds = list(range(args.seed, args.seed + args.batch))
     source = {"name": args.source, "seed": args.seed} if args.batch == 1 else {"name": args.source, "seeds": seeds}

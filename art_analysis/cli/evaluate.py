@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context < 64:
         raise ValueError(f"--context must be at least 64 tokens, got {args.context}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.max_new_tokens < 2:
+        raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill), "
+                         f"got {args.max_new_tokens}")
     check_output_file(args.json, "--json")
     if args.backend == "kernel" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--backend kernel runs the Triton kernel on a CUDA device, or on the CPU in Triton's "

@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     context = args.context or (1024 if args.quick else 4096)
     if context < 256:
         raise ValueError(f"--context must be at least 256 tokens, got {context}")
+    for option, value in (("--block-size", args.block_size), ("--decode-steps", args.decode_steps)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
     out = check_output_folder(args.out, "--out")
     if args.captures is not None:
         check_output_folder(args.captures, "--captures")
