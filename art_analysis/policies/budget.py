@@ -34,12 +34,6 @@ def check_budget(budget: Budget, name: str = "budget") -> None:
                          "pass an int for a budget in tokens")
 
 
-def check_count(value: int, name: str) -> None:
-    """Raise unless ``value`` is an int ``>= 0`` (a window or sink size, a layer count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
 def budget_tokens(budget: Budget, seqlens: torch.Tensor) -> torch.Tensor:
     """Budget in tokens per sequence: ``LongTensor [B]`` (see the module docstring)."""
     if isinstance(budget, int):

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import check_count
+
 from .base import SelectionInputs, SelectionPolicy, validate_inputs
-from .budget import Budget, budget_tokens, check_budget, check_count, keep_top_blocks, tokens_to_blocks
+from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
 from .scores import check_group_reduce, grouped_queries, reduce_group
 
 
@@ -95,7 +97,7 @@ class QuestPolicy(SelectionPolicy):
     def __post_init__(self) -> None:
         check_budget(self.budget)
         check_group_reduce(self.group_reduce)
-        check_count(self.dense_layers, "dense_layers")
+        check_count(self.dense_layers, "dense_layers", 0)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         if inputs.layer is not None and inputs.layer < self.dense_layers:

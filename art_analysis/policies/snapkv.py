@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from kernels.int_checks import check_count
+
 from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, check_count, keep_top_blocks, tokens_to_blocks
+from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
 
 POOLINGS = ("avgpool", "maxpool")
@@ -70,7 +72,7 @@ class SnapKVPolicy(SelectionPolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        check_count(self.window, "window")
+        check_count(self.window, "window", 0)
         check_pooling(self.pooling, self.kernel_size)
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import check_count
+
 from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, check_count, keep_top_blocks, tokens_to_blocks
+from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class StreamingPolicy(SelectionPolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        check_count(self.sink_tokens, "sink_tokens")
+        check_count(self.sink_tokens, "sink_tokens", 0)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
