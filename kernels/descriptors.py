@@ -18,10 +18,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 def descriptor_ready(x: torch.Tensor) -> bool:
     """Whether a descriptor can address ``x`` along its last dim: unit last stride, and a 16-byte
-    aligned base and other strides (the bulk-copy engine's requirements)."""
+    aligned base and other strides (the bulk-copy engine's requirements), none of them 0 along a dim of more than
+    one entry (an expanded tensor, e.g. one cache shared by a batch, is read through pointers)."""
     size = x.element_size()
     return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(stride * size % 16 == 0 for stride in x.stride()[:-1]))
+            and all(stride * size % 16 == 0 and (stride > 0 or extent == 1)
+                    for stride, extent in zip(x.stride()[:-1], x.shape[:-1])))
 
 
 def host_descriptor(x: torch.Tensor, block_rows: int, rows: int | None = None) -> TensorDescriptor:

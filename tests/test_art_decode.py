@@ -1112,6 +1112,11 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
             assert loads(small, small, paged=True, block_size=64, uniform=uniform, leader_steps=None) == kind
         misaligned = torch.empty(1, 2, 256, 68, dtype=torch.float16)[..., :64]  # row stride of 136 bytes
         assert loads(misaligned, v, paged=False, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
+        shared = k.expand(3, -1, -1, -1)   # one cache for three sequences: a batch stride of 0
+        assert loads(shared, shared, paged=False, block_size=64, uniform=uniform, leader_steps=None) == "pointers"
+        single = k.as_strided(k.shape, (0, *k.stride()[1:]))   # a stride of 0 along a dim of one entry is fine
+        assert loads(single, single, paged=False, block_size=64, uniform=uniform,
+                     leader_steps=None) == ("host_descriptors" if uniform else "kernel_descriptors")
     # the leader scheme builds descriptors in the kernel only for D = 128 and long enough splits
     assert loads(k, v, paged=False, block_size=64, uniform=False, leader_steps=1000) == "pointers"
     assert loads(k, v, paged=False, block_size=64, uniform=True, leader_steps=1000) == "host_descriptors"
