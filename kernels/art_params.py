@@ -3,7 +3,9 @@
 `ARTParams` mirrors `art_analysis.termination.ARTConfig` restricted to what a kernel
 program can evaluate (`ARTConfig.kernel_params()` converts).  Every threshold is passed
 to the kernel as a runtime scalar, never as a `tl.constexpr`, so sweeping thresholds
-never recompiles.  The monitor semantics (identical to the simulator's
+never recompiles, except that whether `phi` lies in `(0, 1]` picks one of two builds of the
+direction test (outside it, the guards of a zero probe and of `phi = 0` are compiled in:
+`kernels.art_decode._direction_build`).  The monitor semantics (identical to the simulator's
 `mode="kernel"` replay evaluated by `art_analysis.termination.stop`) are:
 
 * after step `t` the probe `x^(t)` is the running output `acc / l` (`probe_source="output"`)
