@@ -59,8 +59,11 @@ class KernelAttention:
     hints: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        from kernels.art_decode import ORDERS
         from kernels.art_params import ARTParams
 
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS} (the kernel's), got {self.order!r}")
         if isinstance(self.art, ARTConfig):
             self.art = self.art.kernel_params()
         if self.art is not None and not isinstance(self.art, ARTParams):
@@ -75,9 +78,7 @@ class KernelAttention:
         from kernels.art_decode import ART_BLOCK_SIZE, art_decode
         from kernels.walk_hint import LongestWalkHint
 
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise ValueError("kernel_attention runs full causal attention: layers with a sliding window or logit "
-                             "soft-capping are not supported")
+        check_full_attention(kwargs, "kernel_attention")
         lengths = visible_lengths(attention_mask, key.shape[0], key.shape[2])
         layer = getattr(module, "layer_idx", None)
         hint = None
@@ -133,23 +134,34 @@ def loaded_tokens(blocks: torch.Tensor, length, block_size: int, order: str) -> 
     return torch.where(blocks >= -(-length // block_size), length, whole)
 
 
-def visible_lengths(attention_mask, batch: int, keys: int) -> torch.Tensor | None:
+def check_full_attention(kwargs: dict, hook: str) -> None:
+    """A decode hook computes full causal attention: ``ValueError`` for a layer with a sliding window or logit
+    soft-capping (``kwargs`` of the attention call), which it would silently leave out."""
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(f"{hook} runs full causal attention: layers with a sliding window or logit soft-capping "
+                         "are not supported")
+
+
+def visible_lengths(attention_mask, batch: int, keys: int, hook: str = "kernel_attention") -> torch.Tensor | None:
     """Each row's cached tokens, from a decode call's ``attention_mask`` (``[B or 1, 1, 1, >= keys]``, bool with
     True visible, or additive with negative values hidden) over its ``keys`` cached keys: ``None`` when every key is
     visible (a dynamic cache), else int32 ``[batch]`` when each row's visible keys are its first ones (a static
     cache, whose slots past each row's tokens are hidden).  A mask that hides a key before a visible one (a
-    left-padded batch) is refused: the kernel reads each row's first ``cache_seqlens`` keys."""
+    left-padded batch) is refused: the decode ``hook`` (named in the errors) reads each row's first keys."""
     if attention_mask is None:
         return None
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] < keys or attention_mask.shape[0] not in (1, batch):
+        raise ValueError(f"{hook}: a decode call's attention_mask must be [B or 1, 1, 1, >= {keys} keys] for "
+                         f"B = {batch}, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask[..., -1, -keys:]
     visible = (mask if mask.dtype == torch.bool else mask >= 0).reshape(-1, keys).expand(batch, keys)
     lengths = visible.sum(-1, dtype=torch.int32)
     prefix = torch.arange(keys, device=visible.device)[None, :] < lengths[:, None]
     if not torch.equal(visible, prefix):
-        raise ValueError("kernel_attention needs a batch without left padding: the kernel reads each row's first "
-                         "cache_seqlens keys, and this decode mask hides keys before visible ones")
+        raise ValueError(f"{hook} needs a batch without left padding: it reads each row's first cached keys, and "
+                         "this decode mask hides keys before visible ones")
     if bool((lengths == 0).any()):
-        raise ValueError("kernel_attention: a decode row's mask hides every cached key")
+        raise ValueError(f"{hook}: a decode row's mask hides every cached key")
     return None if bool((lengths == keys).all()) else lengths
 
 

@@ -122,6 +122,30 @@ def test_a_static_cache_decodes_through_the_kernel_like_a_dynamic_one(loaded, pr
     assert min(share for shares in static.values() for share in shares) < 0.5      # walks that stop early
 
 
+@pytest.mark.parametrize("order", ["sink_recency", "importance"])
+def test_a_static_cache_decodes_through_the_simulator_hook_like_a_dynamic_one(loaded, prompt, order):
+    """The simulator's hook reads the static buffer's decode mask as each row's length, as the kernel's does: dense,
+    the model's own log-probabilities; under ART, a dynamic cache's tokens and loaded shares."""
+    from art_analysis.analysis.retention import RuleAttention
+    from art_analysis.attention_override import override_attention
+
+    model, ids = loaded.model, torch.tensor([prompt.input_ids])
+    runs = {}
+    for name, rule, cache in (("model", None, "static"), ("dense", None, "static"), ("art static", RULE, "static"),
+                              ("art dynamic", RULE, "dynamic")):
+        hook = None if name == "model" else RuleAttention([rule], order=order)
+        attention = contextlib.nullcontext() if hook is None else override_attention(model, hook, "art_rule")
+        options = {"cache_implementation": "static"} if cache == "static" else {}
+        with attention, torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=3, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, **options)
+        runs[name] = (torch.stack(out.scores).log_softmax(-1), None if hook is None else hook.loaded[0])
+    torch.testing.assert_close(runs["dense"][0], runs["model"][0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(runs["art static"][0], runs["art dynamic"][0], atol=1e-5, rtol=0)
+    assert runs["art static"][1] == pytest.approx(runs["art dynamic"][1], abs=1e-12)
+    assert min(runs["art static"][1]) < 0.5
+
+
 def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prompt, monkeypatch):
     """Decoding through the kernel told the prompt's needle, each call records the share of query heads whose
     output took in a needle block: on the call's own inputs, the simulator's walks under the rule with one split,
@@ -177,6 +201,20 @@ def test_bad_input_is_refused():
         hook(None, None, query, key, value, padded == 0)
     with pytest.raises(ValueError, match="sliding window"):
         hook(None, None, query, key, value, None, sliding_window=64)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B or 1, 1, 1, >= 100 keys\] for B = 1, got "
+                                         r"shape \(1, 1, 1, 60\)"):
+        hook(None, None, query, key, value, padded[..., :60])
+    with pytest.raises(ValueError, match=r"order must be one of \('sequential', 'sink_recency'\) \(the kernel's\)"):
+        KernelAttention(RULE, order="recency")
+    # the simulator's hook refuses the same
+    from art_analysis.analysis.retention import RuleAttention
+
+    with pytest.raises(ValueError, match="order must be one of"):
+        RuleAttention([RULE], order="bogus")
+    with pytest.raises(ValueError, match="RuleAttention needs a batch without left padding"):
+        RuleAttention([RULE])(None, None, query, key, value, padded)
+    with pytest.raises(ValueError, match="RuleAttention runs full causal attention"):
+        RuleAttention([RULE])(None, None, query, key, value, None, softcap=30.0)
     # prefill calls go to the model's own attention
     called = []
     hook(lambda *args, **kwargs: called.append(args[1].shape), None, torch.zeros(1, 4, 5, 64), key, value, None)
@@ -186,7 +224,8 @@ def test_bad_input_is_refused():
 def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, prompt):
     """compare_generation(backend="kernel") decodes the ART rule through the kernel and the coverage rule in the
     simulator: the kernel's row has the simulator backend's tokens, loaded fraction, needle share and, within
-    float32 rounding, KL; the other rows are the simulator backend's."""
+    float32 rounding, KL (on this short prompt every call's plan keeps its stop); the other rows are the simulator
+    backend's."""
     from art_analysis.analysis.retention import compare_generation
     from art_analysis.termination import MassCoverage
 

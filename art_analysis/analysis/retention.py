@@ -17,7 +17,13 @@ rule ``r`` (:class:`RuleAttention`), one model forward per step for all of them.
 ``backend="kernel"`` the ART rules that the Triton kernel runs (``group="all"``) decode instead through
 ``kernels.art_decode`` (:class:`art_analysis.kernel_attention.KernelAttention`: the production kernel, its plan
 and its float32 recurrence, with a walk hint per layer), each rule in its own batch of one; the other rules, and
-dense decoding, stay in the simulator's batch.
+dense decoding, stay in the simulator's batch.  A kernel row equals the simulator's where the plan keeps every stop
+(single walks, or followers that wait for their leader: the output is the leader's truncated one), as in the
+tests' short prompts on the CPU.  It is the production plan's result otherwise, and can read more: where a walk hint
+finds a layer's walks lopsided (long caches), the call takes on-demand followers and a released pair gets the
+whole attention; on a GPU, a batch of one whose leader's range is shorter than the earliest stop runs the dense
+walk (``kernels.split_plan.leader_can_stop``).  Its ``loaded_fraction`` and ``needle_read`` are what the kernel
+loaded and kept.
 """
 from __future__ import annotations
 
@@ -32,9 +38,9 @@ from tqdm import tqdm
 from ..attention_override import override_attention
 from ..blockwise import blockwise_attention
 from ..corpus import Prompt
-from ..kernel_attention import KernelAttention
+from ..kernel_attention import KernelAttention, check_full_attention, visible_lengths
 from ..models import cache_argument
-from ..orders import check_token_range, walks_reading
+from ..orders import ORDERS, check_token_range, walks_reading
 from ..policies.quest import group_block_bounds
 from ..termination import ARTConfig, Rule, stop
 
@@ -45,7 +51,9 @@ class RuleAttention:
 
     Decode calls (query length 1) truncate batch row ``r`` by ``rules[r]`` (``None``: the full walk,
     i.e. dense attention through the simulator) and record that row's loaded fraction (mean over
-    query heads) in ``loaded[r]``; prefill calls run the model's own attention.  With ``needle``
+    query heads) in ``loaded[r]``; prefill calls run the model's own attention.  A decode mask that hides each
+    row's keys past its length (a static cache) gives the walks those lengths; left padding, sliding windows and
+    soft-capping are refused (:func:`art_analysis.kernel_attention.visible_lengths`).  With ``needle``
     (the ``[start, end)`` token range of a retrieval prompt's needle) every call also records in
     ``needle_read[r]`` the share of query heads whose walk read a block holding a needle token
     before it stopped.
@@ -62,6 +70,8 @@ class RuleAttention:
         self.rules = list(self.rules)
         if not self.rules:
             raise ValueError("RuleAttention needs one rule (or None) per batch row")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.needle is not None:
             self.needle = check_token_range(self.needle)
         self.loaded = [[] for _ in self.rules]
@@ -77,13 +87,15 @@ class RuleAttention:
             return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         if query.shape[0] != len(self.rules):
             raise ValueError(f"the decode batch has {query.shape[0]} rows but {len(self.rules)} rules were given")
+        check_full_attention(kwargs, "RuleAttention")
+        lengths = visible_lengths(attention_mask, key.shape[0], key.shape[2], "RuleAttention")
         q = query[:, :, 0]
         block_scores = None
         if self.order == "importance":
             # Quest's key bound, max over the group: the block that could score highest comes first.
-            block_scores = group_block_bounds(q, key, value, block_size=self.block_size)
+            block_scores = group_block_bounds(q, key, value, block_size=self.block_size, cache_seqlens=lengths)
         trace = blockwise_attention(q, key, value, block_size=self.block_size, order=self.order,
-                                    sm_scale=scaling, block_scores=block_scores)
+                                    sm_scale=scaling, block_scores=block_scores, cache_seqlens=lengths)
         output = trace.final_out.clone()
         last_step = trace.steps_per_head - 1
         for row, rule in enumerate(self.rules):

@@ -48,7 +48,9 @@ def register(subparsers) -> None:
     parser.add_argument("--order", choices=("sink_recency", "importance"), default="sink_recency",
                         help="walk order of every decode attention call (importance: Quest's key bound)")
     parser.add_argument("--backend", choices=BACKENDS, default="simulator",
-                        help="kernel: the ART rules decode through the Triton kernel (kernels.art_decode)")
+                        help="kernel: the ART rules decode through the Triton kernel (kernels.art_decode) and its "
+                             "production plan, which can read more than the simulator (see "
+                             "art_analysis.analysis.retention)")
     add_art_options(parser)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.set_defaults(func=run)
