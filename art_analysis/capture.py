@@ -40,7 +40,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import shutil
@@ -54,6 +53,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from kernels.int_checks import is_finite_real
 
 from .attention_override import override_attention
 from .checks import check_int
@@ -412,7 +413,7 @@ def _check_metadata(metadata: dict, path: Path) -> None:
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise damaged(f"dtype must name a floating torch dtype, got {metadata.get('dtype')!r}")
     scale = metadata.get("sm_scale")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if not (is_finite_real(scale) and scale > 0):
         raise damaged(f"sm_scale must be a finite number > 0, got {scale!r}")
 
 

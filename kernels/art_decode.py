@@ -185,12 +185,12 @@ while ``RELEASED`` is clear; a leader whose release finds it walks on alone), so
 leader that is not resident.  In a launch where too few walks stop for the count to fall to ``R``, every leader would
 walk alone to its end (2.5x the dense time at B = 32); with ``release_step`` each leader still walking alone releases at
 its first chunk end at or past that step, whatever the count (V51; :func:`kernels.split_plan.on_demand_plan` takes one).
- The stage count of an on-demand grid is set by its leaders alone (:func:`_launch_config`): the followers, dispatched
- after every leader, only wait, and counted with
-them a grid of 64 x 128 blocks went to 2 stages (V52: synthetic 32/8, B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154
-ms; the rows whose leaders alone exceed 3 per multiprocessor unchanged).  Opt-in: it gains on lopsided
-walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the SmolLM2 layer at B = 128, CUDA-graph medians
-of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each call's loaded fraction):
+The stage count of an on-demand grid is set by its leaders alone (:func:`_launch_config`): the followers, dispatched
+after every leader, only wait, and counted with them a grid of 64 x 128 blocks went to 2 stages (V52: synthetic 32/8,
+B = 32 x 8k at the plan's 4 splits, 0.182 -> 0.154 ms; the rows whose leaders alone exceed 3 per multiprocessor
+unchanged).  Opt-in: it gains on lopsided walks at 64-dim heads, and costs elsewhere.  H200, ``ARTConfig()``, the
+SmolLM2 layer at B = 128, CUDA-graph medians of 3 interleaved rounds (``-on-demand-ab.json``, ms; the bound at each
+call's loaded fraction):
 
 =========================  ==============  ==========================  ================================  =====
 SmolLM2 layer, B = 128     default         on demand (splits, R)       never stopping: default -> od     dense

@@ -22,11 +22,9 @@ direction test (outside it, the guards of a zero probe and of `phi = 0` are comp
 """
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
-from .int_checks import check_count
+from .int_checks import check_count, is_finite_real
 
 PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIMS = ("full", "mma")
@@ -37,7 +35,7 @@ INT32_MAX = 2 ** 31 - 1    # patience and min_steps reach the kernel as int32 sc
 def check_threshold(value, name: str) -> float:
     """A threshold (``tau``, ``phi``, an oracle's ``eps``): a finite real number ``>= 0`` (NumPy scalars included, a
     ``bool`` not); returned as a ``float``, else ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    if not (is_finite_real(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 

@@ -61,12 +61,15 @@ def load_run(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path} is not a result of `art-analysis bench` (suite {suite!r}; expected one of "
                          f"{', '.join(ROW_KEYS)})")
     for section in ROW_KEYS[suite]:
+        damaged = ValueError(f"benchmark result {path}: {section} must be a list of objects"
+                             f"{' (loops, each with rows)' if suite == 'decode-loop' else ''}")
         rows = payload.get(section) or []
         if suite == "decode-loop" and isinstance(rows, list):   # loops, each with its rows
-            rows = [row for loop in rows for row in (loop.get("rows") if isinstance(loop, dict) else None) or [None]]
+            if not all(isinstance(loop, dict) and isinstance(loop.get("rows"), list) for loop in rows):
+                raise damaged
+            rows = [row for loop in rows for row in loop["rows"]]
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-            raise ValueError(f"benchmark result {path}: {section} must be a list of objects"
-                             f"{' (loops, each with rows)' if suite == 'decode-loop' else ''}")
+            raise damaged
     return payload
 
 

@@ -1,6 +1,16 @@
 """The launchers' check of a count argument (splits, steps, pages, slots): an ``int`` that is not a ``bool``, within
-its bounds, else ``ValueError`` naming the argument and what it must be."""
+its bounds, else ``ValueError`` naming the argument and what it must be; and what a real-valued argument (a threshold,
+a scale) must be before its range is checked."""
 from __future__ import annotations
+
+import math
+import numbers
+
+
+def is_finite_real(value) -> bool:
+    """Whether ``value`` is a finite real number: an ``int``, ``float`` or NumPy scalar, not a ``bool`` (nor a tensor,
+    a string or NaN / inf)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_count(value, name: str, minimum: int, maximum: int | None = None, unit: str | None = None) -> int:

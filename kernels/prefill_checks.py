@@ -5,13 +5,11 @@ Prefill tensors are ``[B, H, N, D]``: queries ``[B, Hq, N, D]``, keys and values
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 import torch
 
-from .int_checks import check_count
+from .int_checks import check_count, is_finite_real
 
 SUPPORTED_HEAD_DIMS = (64, 128)   # of the Triton prefill kernels (estimate and block-sparse attention)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)   # on a GPU; the CPU interpreter takes any float
@@ -61,16 +59,12 @@ def check_kernel_tensors(*named: tuple[str, torch.Tensor]) -> None:
                          f"{first_name} on {first.device}")
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_selection_params(gamma: float, tau: float, block_size: int, min_budget: int,
                            max_budget: int | None, budget_divisor: int | None, js_eps: float | None) -> None:
     """Raise ``ValueError`` on out-of-range FlexPrefill parameters (numbers given as bools or tensors included)."""
-    if not (_is_real(gamma) and 0.0 < gamma <= 1.0):
+    if not (is_finite_real(gamma) and 0.0 < gamma <= 1.0):
         raise ValueError(f"gamma must lie in (0, 1] (a real number), got {gamma!r}")
-    if not (_is_real(tau) and tau >= 0.0):
+    if not (is_finite_real(tau) and tau >= 0.0):
         raise ValueError(f"tau must be >= 0 (a finite real number), got {tau!r}")
     check_count(block_size, "block_size", 1)
     check_count(min_budget, "min_budget", 0, unit="tokens")
@@ -78,7 +72,7 @@ def check_selection_params(gamma: float, tau: float, block_size: int, min_budget
         check_count(max_budget, "max_budget (or None)", max(min_budget, 1), unit="tokens")
     if budget_divisor is not None:
         check_count(budget_divisor, "budget_divisor (or None)", 1)
-    if js_eps is not None and not (_is_real(js_eps) and js_eps > 0.0):
+    if js_eps is not None and not (is_finite_real(js_eps) and js_eps > 0.0):
         raise ValueError(f"js_eps must be None or > 0 (a finite real number), got {js_eps!r}")
 
 

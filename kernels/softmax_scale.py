@@ -3,8 +3,7 @@ kernels): ``None`` means ``D ** -0.5``; otherwise a finite real number ``> 0``. 
 they are scaled, so a scale of zero or below would turn masked scores into NaN or into the maximum."""
 from __future__ import annotations
 
-import math
-import numbers
+from .int_checks import is_finite_real
 
 
 def softmax_scale(sm_scale, head_dim: int, name: str = "sm_scale") -> float:
@@ -12,7 +11,6 @@ def softmax_scale(sm_scale, head_dim: int, name: str = "sm_scale") -> float:
     a finite real number ``> 0`` (not a ``bool``)."""
     if sm_scale is None:
         return head_dim ** -0.5
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale) \
-            or not sm_scale > 0:
+    if not (is_finite_real(sm_scale) and sm_scale > 0):
         raise ValueError(f"{name} must be a positive finite number, got {sm_scale!r}")
     return float(sm_scale)
