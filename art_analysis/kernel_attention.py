@@ -118,6 +118,14 @@ class KernelAttention:
         """``{layer: mean loaded share over its decode calls}``."""
         return {layer: sum(shares) / len(shares) for layer, shares in self.loaded.items()}
 
+    def reset(self) -> None:
+        """Forget the recorded calls (``loaded``, ``needle_read``) and the layers' walk hints, so that a hook used
+        again, on other sequences, records and plans as a new one (the hints would carry the last sequences' walks
+        into the next call's split plan)."""
+        self.loaded.clear()
+        self.needle_read.clear()
+        self.hints.clear()
+
 
 def loaded_tokens(blocks: torch.Tensor, length, block_size: int, order: str) -> torch.Tensor:
     """The cached tokens in the ``blocks`` (any shape, int64) that each ``(b, kv_head)``'s programs loaded of a cache of

@@ -4,6 +4,8 @@ than a threshold and more than the runs' own round-to-round spread.
 A change to the kernel or to its plans is checked by rerunning the benchmark and comparing the new JSON with a
 committed one (``benchmarks/results``; ``art-analysis bench-compare BASE.json NEW.json``).  Both must be results of
 one suite of ``art-analysis bench`` (``decode``, ``decode-loop`` or ``flexprefill``) measured on the same device.
+Given a folder as the baseline (``bench-compare benchmarks/results NEW.json``), the comparison takes the newest
+complete run there of NEW's suite, device and ``quick`` setting (:func:`baseline_in`).
 
 Rows are matched by what they time, not by their position: per suite and section, by the fields of ``ROW_KEYS``
 (the data, the shape, the call).  A row whose plan changed (``PLAN_FIELDS``: block size, split count, follow step,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from .bench import round_spread, upper_median
 from .results_io import flat_summary, read_result
@@ -71,6 +74,33 @@ def load_run(path: str | os.PathLike) -> dict:
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise damaged
     return payload
+
+
+def baseline_in(folder: str | os.PathLike, new: dict, new_path: str | os.PathLike | None = None) -> Path:
+    """The baseline for ``new`` (a payload of :func:`load_run`) among the results in ``folder``: the newest by
+    ``date`` of the complete runs (not marked ``"complete": false``) of ``new``'s suite measured on ``new``'s device
+    with its ``quick`` setting, other than ``new_path``.  Files that are not such results (A/B studies, damaged
+    JSON) are passed over.  ``FileNotFoundError`` or ``ValueError`` where ``folder`` is not a folder or holds no such run."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"baseline folder {folder} is not a folder")
+    skip = Path(new_path).resolve() if new_path is not None else None
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        if path.resolve() == skip:
+            continue
+        try:
+            payload = load_run(path)
+        except ValueError:
+            continue
+        if (payload["suite"] == new["suite"] and payload.get("device") == new.get("device")
+                and payload.get("complete") is not False and payload.get("quick") == new.get("quick")):
+            found.append((str(payload.get("date") or ""), path.name, path))
+    if not found:
+        raise ValueError(f"{folder} holds no complete {new['suite']!r} result measured on {new.get('device')!r}"
+                         f"{' (quick)' if new.get('quick') else ''}: pass a baseline file, or run the baseline on "
+                         "this device first")
+    return max(found)[2]
 
 
 def section_rows(payload: dict, section: str) -> list[dict]:

@@ -13,7 +13,8 @@
 #   python scripts/pack_capture_layer.py pack captures/smollm2-8k/layer_015.safetensors .carry/layer15.xz
 # and on the GPU machine, before this script:
 #   python3 scripts/pack_capture_layer.py unpack .carry/layer15.xz .carry/smollm2_layer15_ctx8192.safetensors
-# The run ends with `art-analysis bench-compare` of its result against the newest committed one. A run cut short
+# The run ends with `art-analysis bench-compare` of its result against the newest complete committed run measured on
+# the same device (none: the comparison says so). A run cut short
 # (the JSON says "complete": false) is finished by a second call with RESUME_FROM=<that JSON> (bench --resume).
 # The JSON names the commit it measured (``source``): ART_SOURCE_COMMIT where set (on a copy of the tree, whose own
 # git history may not be the tree's: ART_SOURCE_COMMIT=$(git rev-parse HEAD) where the copy is made), else git's.
@@ -99,11 +100,10 @@ extra=()
 [ -f "$capture" ] && extra=(--capture "$capture")
 [ "${QUICK:-0}" = 1 ] && extra+=(--quick)
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
-# the newest committed result, kept aside (a run of the same date without $OUT replaces it): the new run is compared
-# with it call by call at the end (decode_compare.log / .json)
-baseline=$(ls benchmarks/results/*-art-decode.json 2>/dev/null | sort | tail -n 1)
+# the committed results, kept aside (a run of the same date without $OUT replaces one): the new run is compared call
+# by call at the end with their newest complete run on the same device (decode_compare.log / .json)
 baseline_dir=$(mktemp -d)
-[ -n "$baseline" ] && cp "$baseline" "$baseline_dir/"
+cp benchmarks/results/*.json "$baseline_dir/" 2>/dev/null
 # RESUME_FROM=<an incomplete *-art-decode.json of an earlier call>: its shapes are kept and only the rest are timed
 if [ -n "${RESUME_FROM:-}" ]; then
     case "$(basename "$RESUME_FROM")" in
@@ -115,7 +115,7 @@ fi
 cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
 cli bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 | tee "$out_dir/decode_bench.log"
 new_result=$(ls "$out_dir"/*-art-decode.json 2>/dev/null | sort | tail -n 1)
-if [ -n "$baseline" ] && [ -n "$new_result" ]; then
-    cli bench-compare "$baseline_dir/$(basename "$baseline")" "$new_result" --json "$out_dir/decode_compare.json" 2>&1 \
+if [ -n "$new_result" ]; then
+    cli bench-compare "$baseline_dir" "$new_result" --json "$out_dir/decode_compare.json" 2>&1 \
         | tee "$out_dir/decode_compare.log"
 fi

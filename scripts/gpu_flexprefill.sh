@@ -15,15 +15,15 @@ python3 -m pytest -q -m gpu tests/test_block_sparse.py 2>&1 | tee "$out_dir/flex
 capture=.carry/smollm2_prefill.safetensors
 extra=()
 [ -f "$capture" ] && extra=(--capture "$capture" --capture-layer 15)
-# the newest committed result, kept aside (a run of the same date without $OUT replaces it), is compared with the new
-# one call by call at the end (flexprefill_compare.log / .json; `art-analysis bench-compare`)
-baseline=$(ls benchmarks/results/*-flexprefill.json 2>/dev/null | sort | tail -n 1)
+# the committed results, kept aside (a run of the same date without $OUT replaces one): the new one is compared call
+# by call at the end with their newest complete run on the same device (flexprefill_compare.log / .json;
+# `art-analysis bench-compare`)
 baseline_dir=$(mktemp -d)
-[ -n "$baseline" ] && cp "$baseline" "$baseline_dir/"
+cp benchmarks/results/*.json "$baseline_dir/" 2>/dev/null
 python3 -m kernels.bench_flexprefill --out "$out_dir" --sweep-configs "${extra[@]}" 2>&1 | tee "$out_dir/flexprefill_bench.log"
 new_result=$(ls "$out_dir"/*-flexprefill.json 2>/dev/null | sort | tail -n 1)
-if [ -n "$baseline" ] && [ -n "$new_result" ]; then
+if [ -n "$new_result" ]; then
     python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' bench-compare \
-        "$baseline_dir/$(basename "$baseline")" "$new_result" --json "$out_dir/flexprefill_compare.json" 2>&1 \
+        "$baseline_dir" "$new_result" --json "$out_dir/flexprefill_compare.json" 2>&1 \
         | tee "$out_dir/flexprefill_compare.log"
 fi

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from art_analysis.cli import main
-from kernels.bench_compare import compare_runs, headline_entries, load_run
+from kernels.bench_compare import baseline_in, compare_runs, headline_entries, load_run
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -184,3 +184,40 @@ def test_cli_prints_the_changed_calls_writes_the_comparison_and_can_fail_on_a_sl
     other.write_text(json.dumps({**base, "device": "NVIDIA H100 80GB HBM3"}))
     assert main(["bench-compare", str(paths[0]), str(other)]) == 2
     assert "rerun the baseline on the new run's device" in capsys.readouterr().err
+
+
+def test_a_folder_as_baseline_gives_the_newest_complete_run_of_the_same_suite_device_and_quick_setting(tmp_path,
+                                                                                                       capsys):
+    new = _decode([_row("art", 8, 1.2)], device="NVIDIA H100 80GB HBM3", date="2026-12-06T00:00:00+00:00")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    files = {
+        "a-h100-old.json": {**new, "date": "2026-12-01T00:00:00+00:00", "rows": [_row("art", 8, 1.0)]},
+        "b-h100-newer.json": {**new, "date": "2026-12-03T00:00:00+00:00", "rows": [_row("art", 8, 1.1)]},
+        "c-h100-cut-short.json": {**new, "date": "2026-12-04T00:00:00+00:00", "complete": False},
+        "d-h100-quick.json": {**new, "date": "2026-12-04T00:00:00+00:00", "quick": True},
+        "e-h200.json": {**new, "date": "2026-12-05T00:00:00+00:00", "device": "NVIDIA H200"},
+        "f-flexprefill.json": {**new, "suite": "flexprefill", "date": "2026-12-05T00:00:00+00:00"},
+        "g-ab-study.json": {"suite": "decode-ab", "device": new["device"], "date": "2026-12-05"},
+        "h-list.json": [1, 2],
+    }
+    for name, payload in files.items():
+        (folder / name).write_text(json.dumps(payload))
+    (folder / "i-damaged.json").write_text("{")
+    new_path = folder / "z-new.json"          # the new run itself lies in the folder and is not its own baseline
+    new_path.write_text(json.dumps(new))
+    assert baseline_in(folder, new, new_path) == folder / "b-h100-newer.json"
+    # a flexprefill result is written whole and carries no "complete" flag
+    assert baseline_in(folder, files["f-flexprefill.json"], new_path) == folder / "f-flexprefill.json"
+    assert baseline_in(folder, {**new, "quick": True}, new_path) == folder / "d-h100-quick.json"
+    with pytest.raises(ValueError, match="holds no complete 'decode' result measured on 'NVIDIA A100'"):
+        baseline_in(folder, {**new, "device": "NVIDIA A100"}, new_path)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        baseline_in(new_path, new)
+    assert main(["bench-compare", str(folder), str(new_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "base: b-h100-newer.json" in printed and "slower 1," in printed    # 1.2 against 1.1 ms
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**new, "device": "NVIDIA A100"}))
+    assert main(["bench-compare", str(folder), str(other)]) == 2
+    assert "run the baseline on this device first" in capsys.readouterr().err

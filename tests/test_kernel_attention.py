@@ -177,6 +177,14 @@ def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prom
         assert min(got) < max(got), "the calls must cover walks that read the needle and walks that stop before it"
         assert (cut > 0) == (splits == 2), "over 2 splits some leaders must walk past their range"
     monkeypatch.undo()
+    # the hook used again after reset() records the new run's calls alone, with hints made afresh
+    stale_hint = kernel.hints[0]
+    kernel.reset()
+    assert kernel.loaded == {} and kernel.needle_read == {} and kernel.hints == {} and kernel.loaded_fraction() == {}
+    cache, first = prefill(model, prompt.input_ids)
+    decode_rows(model, cache, [first], steps, kernel)
+    assert all(len(kernel.needle_read[layer]) == len(kernel.loaded[layer]) == steps for layer in range(layers))
+    assert sorted(kernel.hints) == list(range(layers)) and kernel.hints[0] is not stale_hint
     dense = KernelAttention(None, needle=needle)
     cache, first = prefill(model, prompt.input_ids)
     decode_rows(model, cache, [first], steps, dense)

@@ -1,6 +1,8 @@
 """`art-analysis bench-compare BASE.json NEW.json`: two results of one `art-analysis bench` suite, call by call: the
 calls that got slower or faster than in the baseline run beyond a threshold and the runs' own noise, the plans that
-changed, and the summaries side by side (``kernels.bench_compare``).  Runs on the CPU: it reads JSON only."""
+changed, and the summaries side by side (``kernels.bench_compare``).  BASE may be a folder (``benchmarks/results``):
+the baseline is then its newest complete run of NEW's suite, device and quick setting.  Runs on the CPU: it reads
+JSON only."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +19,9 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser("bench-compare", help="compare two GPU benchmark results call by call",
                                    description=__doc__)
-    parser.add_argument("base", type=Path, help="the baseline result (e.g. a committed benchmarks/results JSON)")
+    parser.add_argument("base", type=Path,
+                        help="the baseline result (e.g. a committed benchmarks/results JSON), or a folder of results: "
+                             "its newest complete run of the new result's suite, device and quick setting")
     parser.add_argument("new", type=Path, help="the result to check against it, of the same suite and device")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"a ratio counts as a change beyond max(threshold, the rows' round spread) "
@@ -45,15 +49,17 @@ def _source(header: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels.bench_compare import ROW_KEYS, compare_runs, headline_entries, load_run
+    from kernels.bench_compare import ROW_KEYS, baseline_in, compare_runs, headline_entries, load_run
     from kernels.results_io import write_json_atomic
 
     from ..table import format_table
 
     if args.json is not None:
         check_output_file(args.json, "--json")
-    comparison = compare_runs(load_run(args.base), load_run(args.new), args.threshold,
-                              base_name=args.base.name, new_name=args.new.name)
+    new = load_run(args.new)
+    base_path = baseline_in(args.base, new, args.new) if args.base.is_dir() else args.base
+    comparison = compare_runs(load_run(base_path), new, args.threshold, base_name=base_path.name,
+                              new_name=args.new.name)
     suite = comparison["suite"]
     print(f"{suite} results on {comparison['new']['device']}")
     for side in ("base", "new"):
