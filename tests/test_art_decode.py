@@ -1127,6 +1127,36 @@ def test_descriptors_are_used_for_small_contiguous_blocks_only():
     assert loads(k128, v128, paged=False, block_size=64, uniform=True, leader_steps=minimum - 1) == "host_descriptors"
 
 
+def assert_expanded_caches_agree(q, k, v, ragged):
+    """A cache shared by the batch (batch stride 0) or one KV head's cache shared by every KV head (head stride 0)
+    is read through pointer loads (no tensor descriptor takes a zero stride): dense, ART and split calls, uniform
+    and ``ragged`` lengths, give what the contiguous copies give through descriptors: the same leader walks,
+    floating results within a few units in the last place (the two builds compile apart: on an H100 a one-split
+    call's ``lse`` differed by one float32 unit), and the dense output within the FlashAttention oracle."""
+    art = ARTConfig(tau=1e-2, phi=1e-3, patience=2).kernel_params()    # stops within a few blocks
+    calls = (dict(), dict(num_splits=1), dict(art=art, return_stats=True),
+             dict(art=art, num_splits=4, follow_step=0, return_stats=True))
+    for shared in ((k[:1].expand_as(k), v[:1].expand_as(v)), (k[:, :1].expand_as(k), v[:, :1].expand_as(v))):
+        owned = [x.contiguous() for x in shared]
+        for lengths in (None, ragged):
+            for call in calls:
+                got = art_decode(q, *shared, cache_seqlens=lengths, return_lse=True, **call)
+                want = art_decode(q, *owned, cache_seqlens=lengths, return_lse=True, **call)
+                for a, b in zip(got, want):
+                    if a.is_floating_point():
+                        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(a.dtype).eps, atol=1e-6)
+                    else:
+                        # a follower's steps depend on when it sees its leader stop: the leaders' walks
+                        assert torch.equal(a[..., 0], b[..., 0]), call
+                if not call:
+                    assert_within_flash_oracle(got[0], q, *owned, lengths)
+
+
+def test_expanded_caches_give_the_results_of_the_same_caches_made_contiguous():
+    q, k, v = synthetic_inputs(3, 4, 2, 320, 64, torch.float16, CPU, seed=5)
+    assert_expanded_caches_agree(q, k, v, torch.tensor([320, 1, 130], dtype=torch.int32))
+
+
 def test_dense_default_block_is_128_unless_64_dim_or_pages_split_such_blocks(record_decode_launches):
     recorded = record_decode_launches()
     q128, k128, v128 = synthetic_inputs(2, 4, 2, 512, 128, torch.float16, CPU)
@@ -1256,6 +1286,13 @@ def test_gpu_ragged_paged_layouts_agree():
         paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=art, num_splits=1,
                            return_lse=True, return_stats=True)
         assert_paged_agrees(paged, monitored, page_size, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, q_heads, kv_heads", [(128, 32, 8), (64, 9, 3)])
+def test_gpu_expanded_caches_give_the_results_of_the_same_caches_made_contiguous(dim, q_heads, kv_heads):
+    q, k, v = synthetic_inputs(4, q_heads, kv_heads, 8192, dim, torch.bfloat16, _cuda(), seed=dim)
+    assert_expanded_caches_agree(q, k, v, torch.tensor([8192, 1, 4097, 5000], dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu
