@@ -3,7 +3,8 @@
 :func:`kernel_attention` routes every decode call (query length 1) of every layer through ``art_decode`` with the
 given ART rule (``None``: the kernel's dense walk), one :class:`kernels.walk_hint.LongestWalkHint` per layer
 carrying each call's walks to the layer's next call, so that the split plan follows the layer's walks (and takes
-on-demand followers where they are lopsided, :func:`kernels.split_plan.hint_plan`).  Prefill calls run the model's
+on-demand followers where they are lopsided, :func:`kernels.split_plan.hint_plan`); with ``single_walk=True`` every
+ART call runs in one split instead, each pair walking alone to the simulator's stop.  Prefill calls run the model's
 own attention.  The hook records the share of the cached tokens each layer's calls loaded (:func:`loaded_tokens` of
 the kernel's ``return_stats``: the simulator's units, visited tokens over the tokens) and, told a retrieval prompt's
 ``needle``, the share of query heads whose output took in a block holding a needle token (the kernel's
@@ -43,7 +44,10 @@ class KernelAttention:
 
     ``art``: the rule (an :class:`~art_analysis.termination.ARTConfig` or ``kernels.art_params.ARTParams``), or
     ``None`` for the kernel's dense walk; ``order``: the blocks' traversal order; ``walk_hints``: carry each layer's
-    walks to its next call; ``needle``: a ``[start, end)`` token range (a retrieval prompt's needle).
+    walks to its next call; ``single_walk``: every ART call in one split with no hint, so that each pair walks
+    alone from its first block and stops where the simulator's rule does at every length (the production plan's
+    followers can read more, and a released pair takes the whole attention); ``needle``: a ``[start, end)`` token
+    range (a retrieval prompt's needle).
     ``loaded[layer]`` holds, per decode call of that layer, the cached tokens its programs loaded over the cached
     tokens (:func:`loaded_tokens` of ``return_stats``; 1.0 for dense calls); with ``needle``, ``needle_read[layer]``
     the share of query heads whose output took in a block holding a needle token (the leading steps of the
@@ -53,6 +57,7 @@ class KernelAttention:
     art: object = None
     order: str = "sink_recency"
     walk_hints: bool = True
+    single_walk: bool = False
     needle: tuple[int, int] | None = None
     loaded: dict = field(default_factory=dict, init=False)
     needle_read: dict = field(default_factory=dict, init=False)
@@ -69,6 +74,9 @@ class KernelAttention:
         if self.art is not None and not isinstance(self.art, ARTParams):
             raise TypeError(f"art must be an ARTConfig, a kernels.art_params.ARTParams or None, got "
                             f"{type(self.art).__name__}")
+        for name in ("walk_hints", "single_walk"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.needle is not None:
             self.needle = check_token_range(self.needle)
 
@@ -81,11 +89,14 @@ class KernelAttention:
         check_full_attention(kwargs, "kernel_attention")
         lengths = visible_lengths(attention_mask, key.shape[0], key.shape[2])
         layer = getattr(module, "layer_idx", None)
-        hint = None
-        if self.walk_hints and self.art is not None:
+        hint, splits = None, None
+        if self.single_walk and self.art is not None:
+            splits = 1
+        elif self.walk_hints and self.art is not None:
             hint = self.hints.setdefault(layer, LongestWalkHint())
         out, steps, *taken = art_decode(query[:, :, 0], key, value, cache_seqlens=lengths, sm_scale=scaling,
-                                        art=self.art, order=self.order, walk_hint=hint, return_stats=True,
+                                        art=self.art, order=self.order, walk_hint=hint, num_splits=splits,
+                                        return_stats=True,
                                         return_result_steps=self.needle is not None and self.art is not None)
         if self.needle is not None:   # every KV head serves as many query heads: the share over KV heads
             needle_share = self._needle_share(taken[0] if taken else None, lengths, key.shape)
@@ -175,10 +186,10 @@ def visible_lengths(attention_mask, batch: int, keys: int, hook: str = "kernel_a
 
 @contextmanager
 def kernel_attention(model, art=None, *, order: str = "sink_recency", walk_hints: bool = True,
-                     needle: tuple[int, int] | None = None) -> Iterator[KernelAttention]:
+                     single_walk: bool = False, needle: tuple[int, int] | None = None) -> Iterator[KernelAttention]:
     """Route ``model``'s decode attention through ``kernels.art_decode`` with ``art`` (module docstring) for the
     duration of the block; yields the :class:`KernelAttention` hook, whose ``loaded`` (and, told a ``needle`` token
     range, ``needle_read``) the calls fill."""
-    hook = KernelAttention(art=art, order=order, walk_hints=walk_hints, needle=needle)
+    hook = KernelAttention(art=art, order=order, walk_hints=walk_hints, single_walk=single_walk, needle=needle)
     with override_attention(model, hook, KERNEL_ATTENTION_TAG):
         yield hook

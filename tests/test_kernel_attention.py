@@ -15,6 +15,7 @@ from art_analysis.termination import ARTConfig, FixedBudget, kernel_walk_steps, 
 import kernels.art_decode as art_decode_module
 from kernels.art_decode import art_decode
 from kernels.split_plan import planned_result_steps
+from kernels.art_decode import plan_decode
 
 RULE = ARTConfig(tau=1e-2, phi=1e-3, patience=2)   # can stop within the prompt's 10 blocks
 
@@ -158,8 +159,9 @@ def test_the_needle_share_counts_the_blocks_that_entered_the_output(loaded, prom
     for splits in (1, 2):
         expected, cut = [], 0     # per call, the share of walks whose output holds a needle block
 
-        def checked(q, k, v, *, sm_scale, **kwargs):
+        def checked(q, k, v, *, sm_scale, num_splits, **kwargs):
             nonlocal cut
+            assert num_splits is None
             trace = blockwise_attention(q, k, v, block_size=64, order="sink_recency", sm_scale=sm_scale)
             walks = kernel_walk_steps(stop(trace, RULE), k.shape[1])                           # [1, Hkv]
             blocks = trace.block_ids.shape[-1]
@@ -214,6 +216,10 @@ def test_bad_input_is_refused():
         hook(None, None, query, key, value, padded[..., :60])
     with pytest.raises(ValueError, match=r"order must be one of \('sequential', 'sink_recency'\) \(the kernel's\)"):
         KernelAttention(RULE, order="recency")
+    with pytest.raises(TypeError, match="single_walk must be True or False, got 'yes'"):
+        KernelAttention(RULE, single_walk="yes")
+    with pytest.raises(TypeError, match="walk_hints must be True or False, got 1"):
+        KernelAttention(RULE, walk_hints=1)
     # the simulator's hook refuses the same
     from art_analysis.analysis.retention import RuleAttention
 
@@ -229,6 +235,39 @@ def test_bad_input_is_refused():
     assert called == [(1, 4, 5, 64)]
 
 
+def test_single_walks_take_one_split_and_no_hint_and_load_what_the_simulators_walk_visits(monkeypatch):
+    """The production hook plans each call with a walk hint; the single-walk hook forces one split and no hint, so
+    its loaded share is the simulator's walk under the rule on a cache long enough for the plan to split."""
+    from types import SimpleNamespace
+
+    from kernels.walk_hint import LongestWalkHint
+
+    from art_analysis.synthetic import synthetic_cache
+
+    cache = synthetic_cache(batch=1, num_q_heads=4, num_kv_heads=2, seqlen=2048, head_dim=64, preset="realistic",
+                            seed=0, dtype=torch.float16)
+    q, k, v = cache.q[:, :, None], cache.k, cache.v                          # q [1, 4, 1, 64], k, v [1, 2, 2048, 64]
+    trace = blockwise_attention(q[:, :, 0], k, v, block_size=64, order="sink_recency", mode="kernel")
+    walks = kernel_walk_steps(stop(trace, RULE), k.shape[1])                                             # [1, Hkv]
+    expected = float(loaded_tokens(walks, k.shape[2], 64, "sink_recency").sum()) / (k.shape[1] * k.shape[2])
+    assert expected < 1, "the rule must stop within the cache"
+    seen = []
+
+    def recorded(*args, num_splits=None, walk_hint=None, **kwargs):
+        seen.append((num_splits, walk_hint))
+        return art_decode(*args, num_splits=num_splits, walk_hint=walk_hint, **kwargs)
+
+    monkeypatch.setattr(art_decode_module, "art_decode", recorded)
+    layer = SimpleNamespace(layer_idx=0)
+    production, single = KernelAttention(RULE), KernelAttention(RULE, single_walk=True)
+    for hook in (production, single):
+        hook(None, layer, q, k, v, None)
+    assert seen[0][0] is None and isinstance(seen[0][1], LongestWalkHint) and production.hints == {0: seen[0][1]}
+    assert seen[1] == (1, None) and single.hints == {}
+    assert plan_decode(q[:, :, 0], k, v, art=RULE.kernel_params()).num_splits > 1, "the production plan splits"
+    assert single.loaded == {0: [pytest.approx(expected, abs=1e-12)]}
+
+
 def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, prompt):
     """compare_generation(backend="kernel") decodes the ART rule through the kernel and the coverage rule in the
     simulator: the kernel's row has the simulator backend's tokens, loaded fraction, needle share and, within
@@ -240,18 +279,20 @@ def test_retention_on_the_kernel_backend_agrees_with_the_simulator(loaded, promp
     rules = {"art": RULE, "coverage": MassCoverage(0.9)}
     tables = {backend: compare_generation(loaded.model, loaded.tokenizer, [prompt], rules, max_new_tokens=3,
                                           progress=False, backend=backend).set_index("rule")
-              for backend in ("simulator", "kernel")}
+              for backend in ("simulator", "kernel", "kernel_single_walk")}
     simulator, kernel = tables["simulator"], tables["kernel"]
     art = f"art: {RULE.name}"
     assert list(kernel.index) == ["dense", f"{art} (kernel)", "coverage: " + MassCoverage(0.9).name]
-    on_kernel, in_simulator = kernel.loc[f"{art} (kernel)"], simulator.loc[art]
-    assert on_kernel["token_agreement"] == in_simulator["token_agreement"]
-    assert on_kernel["accuracy"] == in_simulator["accuracy"]
-    assert on_kernel["loaded_fraction"] == pytest.approx(in_simulator["loaded_fraction"], abs=1e-12)
-    assert on_kernel["loaded_fraction"] < 0.9
-    assert on_kernel["kl_max"] == pytest.approx(in_simulator["kl_max"], abs=1e-4)
-    assert on_kernel["needle_read"] == pytest.approx(in_simulator["needle_read"], abs=1e-12)
-    assert 0 < on_kernel["needle_read"] < 1, "some walks stop before the needle's block, some read it"
+    assert f"{art} (kernel, single walks)" in tables["kernel_single_walk"].index
+    for on_kernel in (kernel.loc[f"{art} (kernel)"], tables["kernel_single_walk"].loc[f"{art} (kernel, single walks)"]):
+        in_simulator = simulator.loc[art]
+        assert on_kernel["token_agreement"] == in_simulator["token_agreement"]
+        assert on_kernel["accuracy"] == in_simulator["accuracy"]
+        assert on_kernel["loaded_fraction"] == pytest.approx(in_simulator["loaded_fraction"], abs=1e-12)
+        assert on_kernel["loaded_fraction"] < 0.9
+        assert on_kernel["kl_max"] == pytest.approx(in_simulator["kl_max"], abs=1e-4)
+        assert on_kernel["needle_read"] == pytest.approx(in_simulator["needle_read"], abs=1e-12)
+        assert 0 < on_kernel["needle_read"] < 1, "some walks stop before the needle's block, some read it"
     for rule in ("dense", "coverage: " + MassCoverage(0.9).name):   # a batch of two rows instead of three
         for column in ("token_agreement", "accuracy", "loaded_fraction", "needle_read", "first_divergence"):
             assert kernel.loc[rule, column] == pytest.approx(simulator.loc[rule, column], abs=1e-12)
@@ -267,8 +308,9 @@ def test_evaluate_refuses_the_kernel_backend_without_a_gpu_or_the_interpreter(mo
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["evaluate", "--backend", "kernel"]) == 2
-    assert "set TRITON_INTERPRET=1" in capsys.readouterr().err
+    for backend in ("kernel", "kernel_single_walk"):
+        assert main(["evaluate", "--backend", backend]) == 2
+        assert f"--backend {backend} runs the Triton kernel" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

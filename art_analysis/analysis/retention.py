@@ -23,7 +23,10 @@ tests' short prompts on the CPU.  It is the production plan's result otherwise, 
 finds a layer's walks lopsided (long caches), the call takes on-demand followers and a released pair gets the
 whole attention; on a GPU, a batch of one whose leader's range is shorter than the earliest stop runs the dense
 walk (``kernels.split_plan.leader_can_stop``).  Its ``loaded_fraction`` and ``needle_read`` are what the kernel
-loaded and kept.
+loaded and kept.  ``backend="kernel_single_walk"`` runs the same kernel with every ART call in one split and no
+hint (:class:`~art_analysis.kernel_attention.KernelAttention`'s ``single_walk``): each pair walks alone and stops
+where the rule does at every length, so its rows test the kernel's arithmetic against the simulator's, not the
+plan (rows marked ``(kernel, single walks)``).
 """
 from __future__ import annotations
 
@@ -157,7 +160,9 @@ def _repeated(cache, rows: int):
     return repeated
 
 
-BACKENDS = ("simulator", "kernel")
+BACKENDS = ("simulator", "kernel", "kernel_single_walk")
+# the backends that decode the ART rules through the Triton kernel, and the mark of their rows
+KERNEL_BACKENDS = {"kernel": " (kernel)", "kernel_single_walk": " (kernel, single walks)"}
 KERNEL_ORDERS = ("sequential", "sink_recency")
 
 
@@ -180,7 +185,7 @@ def _decode_rules(model, cache, first: int, steps: int, rules: Sequence[Rule | N
 
     Returns ``tokens [R, steps + 1]``, ``logprobs [R, steps, vocab]`` (as :func:`decode_rows`), and per rule the
     loaded fractions of its decode calls and their needle shares (with ``needle``)."""
-    on_kernel = [r for r, rule in enumerate(rules) if backend == "kernel" and runs_on_kernel(rule)]
+    on_kernel = [r for r, rule in enumerate(rules) if backend in KERNEL_BACKENDS and runs_on_kernel(rule)]
     in_batch = [r for r in range(len(rules)) if r not in on_kernel]
     tokens, logprobs = [None] * len(rules), [None] * len(rules)
     loaded, needle_read = [[] for _ in rules], [[] for _ in rules]
@@ -192,7 +197,7 @@ def _decode_rules(model, cache, first: int, steps: int, rules: Sequence[Rule | N
             tokens[r], logprobs[r] = batch_tokens[i], batch_logprobs[i]
             loaded[r], needle_read[r] = hook.loaded[i], hook.needle_read[i]
     for r in on_kernel:
-        hook = KernelAttention(rules[r], order=order, needle=needle)
+        hook = KernelAttention(rules[r], order=order, single_walk=backend == "kernel_single_walk", needle=needle)
         row_tokens, row_logprobs = decode_rows(model, _repeated(cache, 1), [first], steps, hook, forced=forced)
         tokens[r], logprobs[r] = row_tokens[0], row_logprobs[0]
         loaded[r] = [share for shares in hook.loaded.values() for share in shares]
@@ -214,7 +219,9 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         backend: ``"simulator"``, or ``"kernel"``: the ART rules that :func:`runs_on_kernel` accepts decode through
             the Triton kernel (module docstring; ``block_size`` 64, ``order`` ``"sequential"`` or
             ``"sink_recency"``; on the CPU with ``TRITON_INTERPRET=1`` set before ``triton`` is imported, and a
-            model in float32 or float16), their rows named ``"<name>: <rule> (kernel)"``.
+            model in float32 or float16), their rows named ``"<name>: <rule> (kernel)"``; or
+            ``"kernel_single_walk"``: the same with every call one split (module docstring), rows marked
+            ``(kernel, single walks)``.
 
     Returns:
         One row per ``(task, rule)`` (``task`` is the prompts' kind): ``rule, order, accuracy``
@@ -235,7 +242,7 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         raise ValueError("prompts must carry input_ids: build them with the model's tokenizer")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "kernel" and (block_size != 64 or order not in KERNEL_ORDERS):
+    if backend in KERNEL_BACKENDS and (block_size != 64 or order not in KERNEL_ORDERS):
         raise ValueError(f"the kernel backend walks 64-token blocks in order {' or '.join(KERNEL_ORDERS)}; got "
                          f"block_size={block_size}, order={order!r}")
     rules = {"dense": None, **{name: rule for name, rule in rules.items() if name != "dense"}}
@@ -271,8 +278,8 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
             needle_read = [x for r in group for x in r["needle_read"]]
             answered = [r for r in group if r["dense_correct"]]
             label = name if rule is None else f"{name}: {rule.name}"
-            if backend == "kernel" and runs_on_kernel(rule):
-                label += " (kernel)"
+            if backend in KERNEL_BACKENDS and runs_on_kernel(rule):
+                label += KERNEL_BACKENDS[backend]
             rows.append(dict(task=task, rule=label, order=order,
                              accuracy=sum(r["correct"] for r in group) / len(group),
                              answer_retained=(sum(r["correct"] for r in answered) / len(answered)

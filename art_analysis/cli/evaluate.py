@@ -4,7 +4,8 @@ Builds passkey or needle-in-a-haystack prompts of ``--context`` tokens with the 
 ``--depths`` position, generates ``--max-new-tokens`` greedily with every rule replacing the
 model's decode attention (the simulator's truncated output), and compares with dense decoding.
 With ``--backend kernel`` the ART rules decode through the Triton kernel instead (rows marked
-``(kernel)``): on a CUDA device, where the model is moved, or on the CPU in Triton's interpreter
+``(kernel)``; ``--backend kernel_single_walk``: every call in one split, rows marked ``(kernel, single walks)``):
+on a CUDA device, where the model is moved, or on the CPU in Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment; slow: a 2048-token prompt, 4 new tokens, took 2.7 minutes
 on 2 CPU cores).
 """
@@ -18,7 +19,7 @@ import torch
 
 from kernels.results_io import write_json_atomic
 
-from ..analysis.retention import BACKENDS
+from ..analysis.retention import BACKENDS, KERNEL_BACKENDS
 from ..table import format_table
 from ..termination import ARTConfig, MassCoverage
 from .art_options import add_art_options, art_config_from_args
@@ -50,7 +51,8 @@ def register(subparsers) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="simulator",
                         help="kernel: the ART rules decode through the Triton kernel (kernels.art_decode) and its "
                              "production plan, which can read more than the simulator (see "
-                             "art_analysis.analysis.retention)")
+                             "art_analysis.analysis.retention); kernel_single_walk: through the kernel with every "
+                             "call one split, which stops where the simulator's rule does")
     add_art_options(parser)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.set_defaults(func=run)
@@ -75,11 +77,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill), "
                          f"got {args.max_new_tokens}")
     check_output_file(args.json, "--json")
-    if args.backend == "kernel" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--backend kernel runs the Triton kernel on a CUDA device, or on the CPU in Triton's "
-                         "interpreter: set TRITON_INTERPRET=1 in the environment to run it here")
+    on_kernel = args.backend in KERNEL_BACKENDS
+    if on_kernel and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--backend {args.backend} runs the Triton kernel on a CUDA device, or on the CPU in "
+                         "Triton's interpreter: set TRITON_INTERPRET=1 in the environment to run it here")
     loaded = load_model(args.model)
-    if args.backend == "kernel" and torch.cuda.is_available():
+    if on_kernel and torch.cuda.is_available():
         loaded.model.to("cuda")
     build = passkey_prompt if args.task == "passkey" else niah_prompt
     prompts = [build(args.context, depth=depth, seed=args.seed + i, tokenizer=loaded.tokenizer)
