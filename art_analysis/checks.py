@@ -1,9 +1,9 @@
 """Input checks shared by the public entry points (simulator, policies, analyses)."""
 from __future__ import annotations
 
-import math
-
 import torch
+
+from kernels.int_checks import is_finite_real
 
 
 def check_int(value, name: str, minimum: int) -> int:
@@ -16,9 +16,9 @@ def check_int(value, name: str, minimum: int) -> int:
 
 
 def check_fraction(value, name: str) -> float:
-    """``value`` must be a finite real number (not a ``bool``) in ``(0, 1]``; returns it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= 1:
+    """``value`` must be a finite real number (``int``, ``float`` or a NumPy scalar, not a ``bool``) in ``(0, 1]``;
+    returns it as a float."""
+    if not is_finite_real(value) or not 0 < value <= 1:
         raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
     return float(value)
 

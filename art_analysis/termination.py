@@ -162,7 +162,7 @@ class MassCoverage:
     group: str = "head"
 
     def __post_init__(self) -> None:
-        check_fraction(self.gamma, "gamma")
+        object.__setattr__(self, "gamma", check_fraction(self.gamma, "gamma"))
         _check_group(self.group)
 
     @property

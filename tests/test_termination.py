@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -255,8 +256,6 @@ def test_counts_given_as_bools_or_floats_are_refused(kwargs, message):
 
 
 def test_thresholds_take_any_real_number_and_hold_floats():
-    import numpy as np
-
     config = ARTConfig(tau=np.float32(0.25), phi=np.float64(1e-3))
     assert (config.tau, config.phi) == (0.25, 1e-3) and type(config.tau) is float
     assert type(config.kernel_params().tau) is float
@@ -268,6 +267,11 @@ def test_thresholds_take_any_real_number_and_hold_floats():
 def test_bad_baselines_and_rules():
     with pytest.raises(ValueError, match="gamma"):
         MassCoverage(0.0)
+    for bad in (True, float("nan"), "0.5", torch.tensor(0.5), np.float32(1.5)):
+        with pytest.raises(ValueError, match=r"gamma must lie in \(0, 1\]"):
+            MassCoverage(bad)
+    held = MassCoverage(np.float32(0.5)).gamma                       # a NumPy scalar of a sweep, held as a float
+    assert held == 0.5 and type(held) is float
     with pytest.raises(ValueError, match="steps"):
         FixedBudget(0)
     with pytest.raises(ValueError, match="eps"):
