@@ -80,13 +80,14 @@ def baseline_in(folder: str | os.PathLike, new: dict, new_path: str | os.PathLik
     """The baseline for ``new`` (a payload of :func:`load_run`) among the results in ``folder``: the newest by
     ``date`` of the complete runs (not marked ``"complete": false``) of ``new``'s suite measured on ``new``'s device
     with its ``quick`` setting, other than ``new_path``.  Files that are not such results (A/B studies, damaged
-    JSON) are passed over.  ``FileNotFoundError`` or ``ValueError`` where ``folder`` is not a folder or holds no such run."""
+    JSON) are passed over.  ``FileNotFoundError`` or ``ValueError`` where ``folder`` is not a folder or holds no
+    such run."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"baseline folder {folder} is not a folder")
     skip = Path(new_path).resolve() if new_path is not None else None
     found = []
-    for path in sorted(folder.glob("*.json")):
+    for path in folder.glob("*.json"):     # the newest by date, then by name (max below)
         if path.resolve() == skip:
             continue
         try:
