@@ -935,6 +935,22 @@ def test_a_zero_probe_has_direction_change_one_as_in_the_simulator(phi, steps):
     assert got[..., 0].tolist() == expected.tolist() == [[steps]]
 
 
+def test_values_whose_accumulator_squares_overflow_saturate_the_monitor_into_the_dense_walk():
+    # the output probe's norm is sum acc^2 in fp32, scaled by 1 / l after the root (the module docstring): values
+    # that overflow it make every step unstable, so the walk reads the whole cache; the simulator, which forms
+    # acc / l first, still stops there (it saturates only at values about l times larger)
+    q, k, v = synthetic_inputs(1, 4, 2, 1024, 64, torch.float32, CPU, seed=3)
+    config = ARTConfig(tau=1e-3, phi=1e-4, patience=3)
+    _, walks = art_decode(q, k, v, art=config.kernel_params(), num_splits=1, return_stats=True)
+    big = v * 1e18
+    expected, _ = simulator_stop(q, k, big, None, config, "sink_recency")
+    out, steps = art_decode(q, k, big, art=config.kernel_params(), num_splits=1, return_stats=True)
+    assert walks[..., 0].tolist() == expected.tolist() and min(expected.flatten().tolist()) < 16
+    assert steps[..., 0].tolist() == [[16, 16]]
+    dense = art_decode(q, k, big, num_splits=1, block_size=64)
+    assert torch.isfinite(out).all() and torch.equal(out, dense)
+
+
 @pytest.mark.parametrize("splits, never_stops", [(1, False), (3, False), (3, True)])
 def test_a_nan_in_the_cache_gives_nan_outputs_for_its_group_only(splits, never_stops):
     from kernels.art_params import ARTParams
