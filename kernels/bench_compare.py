@@ -142,7 +142,8 @@ def compare_rows(base_rows: dict[tuple, dict], new_rows: dict[tuple, dict], fiel
                  threshold: float) -> list[dict]:
     """One entry per call timed in both runs: its key fields, ``base_ms``, ``new_ms``, ``ratio`` (new over base),
     ``noise``, ``change`` (``"slower"``, ``"faster"``, ``"same"``, or ``"error"`` where one run timed it and the
-    other recorded an error) and ``plan`` (the plan fields that differ, or ``""``)."""
+    other recorded an error, then with ``error_in``: ``"base"`` or ``"new"``) and ``plan`` (the plan fields that
+    differ, or ``""``)."""
     entries = []
     for key in base_rows.keys() & new_rows.keys():
         base, new = base_rows[key], new_rows[key]
@@ -151,6 +152,7 @@ def compare_rows(base_rows: dict[tuple, dict], new_rows: dict[tuple, dict], fiel
         if base_ms is None or new_ms is None:
             if base_ms is not None or new_ms is not None:
                 entries.append({**entry, "base_ms": base_ms, "new_ms": new_ms, "change": "error",
+                                "error_in": "new" if new_ms is None else "base",
                                 "error": base.get("error") or new.get("error")})
             continue
         ratio = new_ms / base_ms
@@ -169,7 +171,9 @@ def compare_runs(base: dict, new: dict, threshold: float = DEFAULT_THRESHOLD, *,
     Returns ``{"suite", "threshold", "base", "new"`` (each: file name, device, date, versions, source, quick,
     complete), ``"notes"`` (what differs between the runs besides the code), ``"rows"`` (per section, the entries of
     :func:`compare_rows`), ``"only_in_base"``, ``"only_in_new"`` (per section, the keys of calls timed in one run),
-    ``"counts"`` (slower / faster / same / error over every section), ``"peer_ratio_median"`` (the upper median of
+    ``"counts"`` (slower / faster / same / error over every section), ``"regressions"`` (the calls that the new run
+    lost against the baseline: slower, an error where the baseline timed it, or not timed at all; a regression
+    check fails on any), ``"peer_ratio_median"`` (the upper median of
     the peers' ratios, ``PEER_CALLS``: how far the card and the peers' software moved between the runs; ``None``
     where the suite times no peer) and ``"summary"`` (``{entry: [base, new]}`` for the numeric entries of both
     summaries)``}``."""
@@ -203,6 +207,9 @@ def compare_runs(base: dict, new: dict, threshold: float = DEFAULT_THRESHOLD, *,
         only_new[section] = [dict(zip(fields, key)) for key in new_rows.keys() - base_rows.keys()]
     counts = {change: sum(e["change"] == change for entries in rows.values() for e in entries)
               for change in ("slower", "faster", "same", "error")}
+    regressions = {"slower": counts["slower"],
+                   "error_in_new": sum(e.get("error_in") == "new" for entries in rows.values() for e in entries),
+                   "only_in_base": sum(len(keys) for keys in only_base.values())}
     field, peers = PEER_CALLS.get(suite, (None, ()))
     peer_ratios = [e["ratio"] for entries in rows.values() for e in entries if e.get(field) in peers and "ratio" in e]
     base_summary, new_summary = flat_summary(base), flat_summary(new)
@@ -211,7 +218,7 @@ def compare_runs(base: dict, new: dict, threshold: float = DEFAULT_THRESHOLD, *,
                        (base_summary[key], new_summary[key]))}
     return {"suite": suite, "threshold": threshold,
             "base": _header(base, base_name), "new": _header(new, new_name), "notes": notes, "rows": rows,
-            "only_in_base": only_base, "only_in_new": only_new, "counts": counts,
+            "only_in_base": only_base, "only_in_new": only_new, "counts": counts, "regressions": regressions,
             "peer_ratio_median": upper_median(peer_ratios), "summary": summary}
 
 

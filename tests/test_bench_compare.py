@@ -57,6 +57,8 @@ def test_calls_are_matched_by_what_they_time_and_a_change_counts_beyond_the_thre
     assert entries["art_never", 8]["change"] == "error" and entries["art_never", 8]["error"] == "out of memory"
     assert entries["cudnn_sdpa", 8]["change"] == "same" and entries["cudnn_sdpa", 8]["plan"] == ""
     assert comparison["counts"] == {"slower": 1, "faster": 1, "same": 3, "error": 1}
+    assert entries["art_never", 8]["error_in"] == "new"
+    assert comparison["regressions"] == {"slower": 1, "error_in_new": 1, "only_in_base": 0}
     assert comparison["only_in_new"]["rows"] == [dict(data="synthetic", batch=64, seqlen=8192, q_heads=32, kv_heads=8,
                                                       head_dim=128, impl="art_dense")]
     assert comparison["only_in_base"]["rows"] == []
@@ -178,8 +180,22 @@ def test_cli_prints_the_changed_calls_writes_the_comparison_and_can_fail_on_a_sl
     assert "art " in changed and "1.200" in changed and "art_dense" not in changed
     assert json.loads(out.read_text())["counts"]["slower"] == 1
     assert main(["bench-compare", str(paths[0]), str(paths[1]), "--fail-on-slower"]) == 1
+    assert "regression check failed: 1 slower, 0 with an error" in capsys.readouterr().out
     assert main(["bench-compare", str(paths[0]), str(paths[0]), "--fail-on-slower", "--all"]) == 0
     assert "every compared call" in capsys.readouterr().out
+    # a call that errors in the new run, or that the new run lacks, fails the check as a slower one does
+    errored, shorter, fixed = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    errored["rows"][0] = {**{k: v for k, v in base["rows"][0].items() if k != "ms"}, "error": "out of memory"}
+    shorter["rows"] = shorter["rows"][1:]
+    fixed["rows"][0] = errored["rows"][0]
+    for name, payload in (("errored.json", errored), ("shorter.json", shorter), ("fixed.json", fixed)):
+        (tmp_path / name).write_text(json.dumps(payload))
+    assert main(["bench-compare", str(paths[0]), str(tmp_path / "errored.json"), "--fail-on-slower"]) == 1
+    assert "1 with an error in the new run only" in capsys.readouterr().out
+    assert main(["bench-compare", str(paths[0]), str(tmp_path / "shorter.json"), "--fail-on-slower"]) == 1
+    assert "1 timed in the baseline and missing from the new run" in capsys.readouterr().out
+    # the baseline's error, timed in the new run, is no regression
+    assert main(["bench-compare", str(tmp_path / "fixed.json"), str(paths[0]), "--fail-on-slower"]) == 0
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**base, "device": "NVIDIA H100 80GB HBM3"}))
     assert main(["bench-compare", str(paths[0]), str(other)]) == 2

@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     parser.add_argument("--all", action="store_true", help="list every compared call, not only the changed ones")
     parser.add_argument("--json", type=Path, default=None, help="also write the whole comparison here")
     parser.add_argument("--fail-on-slower", action="store_true",
-                        help="exit with status 1 when any call is slower (a regression check)")
+                        help="exit with status 1 when any call the baseline timed is slower in the new run, records "
+                             "an error there or is missing from it (a regression check)")
     parser.set_defaults(func=run)
 
 
@@ -94,4 +95,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json_atomic(args.json, comparison)
         print(f"wrote {args.json}")
-    return 1 if args.fail_on_slower and counts["slower"] else 0
+    regressions = comparison["regressions"]
+    if args.fail_on_slower and any(regressions.values()):
+        print(f"regression check failed: {regressions['slower']} slower, {regressions['error_in_new']} with an error "
+              f"in the new run only, {regressions['only_in_base']} timed in the baseline and missing from the new run")
+        return 1
+    return 0
