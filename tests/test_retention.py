@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,24 @@ def test_bad_arguments(loaded, prompt):
     with pytest.raises(ValueError, match="input_ids"):
         compare_generation(loaded.model, loaded.tokenizer, [passkey_prompt(2000, seed=0)], {})
     assert main(["evaluate", "--context", "10"]) == 2
+    # 8188 prompt tokens and 6 new ones (5 decode steps after the prefill's) take 8193 positions, one past SmolLM2's
+    assert loaded.model.config.max_position_embeddings == 8192
+    long = dataclasses.replace(prompt, input_ids=(0,) * 8188)
+    with pytest.raises(ValueError, match="8193 positions, past the model's maximum"):
+        compare_generation(loaded.model, loaded.tokenizer, [long], {}, max_new_tokens=6)
+
+
+def test_evaluate_checks_its_rule_and_seed_before_loading_the_model(monkeypatch, capsys):
+    from art_analysis import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    for argv, message in ((["--seed", "-5"], "--seed must be >= 0, got -5"),
+                          (["--tau", "-1"], "tau must be a finite number >= 0, got -1")):
+        assert main(["evaluate", *argv]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_evaluate_command_prints_the_table(loaded, monkeypatch, capsys, tmp_path):

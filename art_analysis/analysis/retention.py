@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from ..attention_override import override_attention
+from ..capture import model_dims
 from ..blockwise import blockwise_attention
 from ..corpus import Prompt
 from ..kernel_attention import KernelAttention, check_full_attention, visible_lengths
@@ -240,6 +241,12 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         raise ValueError("compare_generation needs at least one prompt")
     if any(p.input_ids is None for p in prompts):
         raise ValueError("prompts must carry input_ids: build them with the model's tokenizer")
+    max_positions = model_dims(model)["max_position_embeddings"]
+    longest = max(len(p.input_ids) for p in prompts)
+    if max_positions and longest + max_new_tokens - 1 > max_positions:
+        raise ValueError(f"a prompt of {longest} tokens and {max_new_tokens} new tokens take "
+                         f"{longest + max_new_tokens - 1} positions, past the model's maximum "
+                         f"(max_position_embeddings={max_positions})")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in KERNEL_BACKENDS and (block_size != 64 or order not in KERNEL_ORDERS):

@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 2:
         raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill), "
                          f"got {args.max_new_tokens}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    rules = evaluation_rules(art_config_from_args(args))
     check_output_file(args.json, "--json")
     on_kernel = args.backend in KERNEL_BACKENDS
     if on_kernel and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -87,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
     build = passkey_prompt if args.task == "passkey" else niah_prompt
     prompts = [build(args.context, depth=depth, seed=args.seed + i, tokenizer=loaded.tokenizer)
                for i, depth in enumerate(args.depths)]
-    rows = compare_generation(loaded.model, loaded.tokenizer, prompts, evaluation_rules(art_config_from_args(args)),
-                              max_new_tokens=args.max_new_tokens, block_size=args.block_size, order=args.order,
-                              backend=args.backend)
+    rows = compare_generation(loaded.model, loaded.tokenizer, prompts, rules, max_new_tokens=args.max_new_tokens,
+                              block_size=args.block_size, order=args.order, backend=args.backend)
     print(format_table(rows, GENERATION_COLUMNS, GENERATION_FORMATS))
     if args.json:
         write_json_atomic(args.json, rows.to_dict("records"))
