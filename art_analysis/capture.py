@@ -88,6 +88,21 @@ class _View:
     dtype: torch.dtype | None = None
 
 
+def check_capture_destination(directory: str | os.PathLike, overwrite: bool) -> Path:
+    """``directory`` as a :class:`Path`, where :meth:`KVCapture.save` may write a capture: a path that does not
+    exist yet, or with ``overwrite`` an earlier capture folder or an empty folder.  ``FileExistsError`` for an
+    existing path without ``overwrite``, ``ValueError`` for one that ``overwrite`` may not replace (check it before
+    a capture's work, as ``art-analysis capture`` does)."""
+    dest = Path(directory)
+    if dest.exists():
+        if not overwrite:
+            raise FileExistsError(f"output folder {str(dest)!r} already exists; pass --overwrite "
+                                  "(overwrite=True) to replace it")
+        if not dest.is_dir() or (any(dest.iterdir()) and not (dest / METADATA_FILE).is_file()):
+            raise ValueError(f"refusing to overwrite {str(dest)!r}: it is not a capture folder")
+    return dest
+
+
 class KVCapture:
     """Post-RoPE K, V and queries of a model run, per layer.  See the module docstring.
 
@@ -322,13 +337,7 @@ class KVCapture:
         Raises `FileExistsError` if `directory` exists and `overwrite` is False; with
         `overwrite`, only an earlier capture folder (or an empty folder) is replaced.
         """
-        dest = Path(directory)
-        if dest.exists():
-            if not overwrite:
-                raise FileExistsError(f"output folder {str(dest)!r} already exists; pass --overwrite "
-                                      "(overwrite=True) to replace it")
-            if not dest.is_dir() or (any(dest.iterdir()) and not (dest / METADATA_FILE).is_file()):
-                raise ValueError(f"refusing to overwrite {str(dest)!r}: it is not a capture folder")
+        dest = check_capture_destination(directory, overwrite)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.partial"   # mkdir, unlike mkdtemp, keeps the umask's mode
         tmp.mkdir()

@@ -251,12 +251,12 @@ def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
     return grouped[..., 0] + 1
 
 
-def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: ARTConfig, *,
-                        block_size: int = 64, order: str = "sink_recency") -> torch.Tensor:
+def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: ARTConfig, *, block_size: int = 64,
+                        order: str = "sink_recency", sm_scale: float | None = None) -> torch.Tensor:
     """The simulator's replay of the kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``
-    (kernel mode: fp32 recurrence, ``p`` rounded to the value dtype): the blocks each ``(b, kv_head)`` loads
-    under ``rule`` (``group="all"``), ``[B, Hkv]`` int64."""
-    trace = blockwise_attention(q, k, v, block_size=block_size, order=order, mode="kernel")
+    (kernel mode: fp32 recurrence, ``p`` rounded to the value dtype) at softmax scale ``sm_scale`` (default
+    ``D ** -0.5``): the blocks each ``(b, kv_head)`` loads under ``rule`` (``group="all"``), ``[B, Hkv]`` int64."""
+    trace = blockwise_attention(q, k, v, block_size=block_size, order=order, sm_scale=sm_scale, mode="kernel")
     return kernel_walk_steps(stop(trace, rule), k.shape[1])
 
 

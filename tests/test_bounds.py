@@ -1,7 +1,11 @@
+from dataclasses import fields
+
+import pandas as pd
 import pytest
 import torch
 
-from art_analysis.analysis.bounds import truncation_report
+from art_analysis.analysis.bounds import TruncationReport, bound_rules, bound_table, truncation_report
+from art_analysis.analysis.inputs import DecodeInput
 from art_analysis.blockwise import blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, FixedBudget, stop
@@ -26,6 +30,22 @@ def test_identity_holds_and_bounds_are_ordered(mode, preset):
         # The certified rho never underestimates the true one (kernel mode rounds m and l in fp32).
         assert torch.all(report.rho <= report.rho_certified * (1 + 1e-4) + 1e-12)
         assert torch.all(report.error <= report.bound_certified * (1 + 1e-4) + 1e-12)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_garbage_past_the_lengths_changes_no_report(garbage):
+    cache = synthetic_cache(2, 6, 2, 400, 16, seed=5)
+    lens = torch.tensor([300, 357])
+    past = (torch.arange(400) >= lens[:, None])[:, None, :, None]
+    reports, tables = {}, {}
+    for fill in (garbage, 0.0):
+        k, v = cache.k.masked_fill(past, fill), cache.v.masked_fill(past, fill)
+        trace = blockwise_attention(cache.q, k, v, block_size=64, cache_seqlens=lens)
+        reports[fill] = truncation_report(trace, cache.q, k, v, stop(trace, FixedBudget(2)).stop_step, lens)
+        tables[fill] = bound_table([DecodeInput(cache.q, k, v, lens, None, 0, 1)], bound_rules())
+    for field in fields(TruncationReport):
+        assert torch.equal(getattr(reports[garbage], field.name), getattr(reports[0.0], field.name)), field.name
+    pd.testing.assert_frame_equal(tables[garbage], tables[0.0], check_exact=True)
 
 
 def test_full_walk_has_zero_error_and_zero_bounds():

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,6 +379,110 @@ def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
     assert (tmp_path / "copy").stat().st_mode & 0o777 == (tmp_path / "cap").stat().st_mode & 0o777
 
 
+def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path):
+    from safetensors.torch import load_file
+
+    from art_analysis.analysis.inputs import decode_inputs
+    from art_analysis.analysis.walk_persistence import decode_walks
+    from art_analysis.blockwise import blockwise_attention
+    from art_analysis.flexprefill import gamma_sweep
+    from art_analysis.policies import make
+    from art_analysis.policies.compose import simulate_policy
+    from art_analysis.rules_summary import standard_rules, summarize
+    from art_analysis.termination import ARTConfig, replay_kernel_walks
+
+    torch.manual_seed(0)
+    folder = tmp_path / "cap"
+    _write_small_capture(folder, context=200)
+    layer_file = folder / capture_mod.layer_filename(0)
+    save_file({**load_file(layer_file), "prefill_q": torch.randn(2, 3, 200, 8)}, layer_file)
+    _rewrite_metadata(folder, sm_scale=0.9, prefill_layers=[0])              # D ** -0.5 would be 0.354
+    cap = KVCapture.load(folder)
+    last = {layer: cap.decode_inputs(layer, 1) for layer in cap.layers}      # (q, k, v, cache_seqlens)
+    expected = [blockwise_attention(q, k, v, block_size=16, cache_seqlens=n, sm_scale=0.9)
+                for q, k, v, n in last.values()]
+    calls = decode_inputs(cap)
+    assert [call.sm_scale for call in calls] == [0.9, 0.9]
+    for call, trace in zip(calls, expected):
+        assert torch.equal(call.trace(block_size=16).final_out, trace.final_out)
+    q, k, v, n = last[0]
+    assert not torch.allclose(expected[0].final_out, blockwise_attention(q, k, v, block_size=16, cache_seqlens=n)
+                              .final_out)
+
+    out = tmp_path / "rows.json"
+    assert cli_main(["simulate", "--capture", str(folder), "--block-size", "16", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == summarize(expected, standard_rules())
+    assert cli_main(["simulate", "--capture", str(folder), "--block-size", "16", "--policy", "coverage:gamma=0.8",
+                     "--json", str(out)]) == 0
+    walks = [simulate_policy(make("coverage", gamma=0.8, sm_scale=0.9), q, k, v, queries=cap.layer(layer)[0],
+                             layer=layer, num_layers=2, block_size=16, cache_seqlens=n, sm_scale=0.9).trace
+             for layer, (q, k, v, n) in last.items()]
+    assert json.loads(out.read_text()) == summarize(walks, standard_rules())
+
+    rule = ARTConfig(tau=0.2, phi=0.1, patience=2)
+
+    def replayed(sm_scale):
+        return [[replay_kernel_walks(q, k[:, :, :int(n[0])], v[:, :, :int(n[0])], rule, block_size=16,
+                                     sm_scale=sm_scale).tolist()
+                 for q, k, v, n in (cap.decode_inputs(layer, step) for step in range(2))] for layer in cap.layers]
+
+    walk_lengths = decode_walks(cap, rule, block_size=16, progress=False).tolist()
+    assert walk_lengths == replayed(0.9) and walk_lengths != replayed(None)
+
+    prefill = (cap.prefill_queries(0), cap.layer(0)[1][:, :, :200], cap.layer(0)[2][:, :, :200])
+    sweep = gamma_sweep(*prefill, [0.5], block_size=16, min_budget=16, sm_scale=0.9)
+    assert cli_main(["flexprefill", "--capture", str(folder), "--gammas", "0.5", "--block-size", "16",
+                     "--min-budget", "16", "--out", str(tmp_path / "figures"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["rel_error"] == pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-6)
+    default = gamma_sweep(*prefill, [0.5], block_size=16, min_budget=16)
+    assert float(default.rel_error[0].mean()) != pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-3)
+
+
+def _corpus_folder(root, model: str, path=None, **changes):
+    """A capture folder where `corpus_capture` looks for ``model``'s capture of the stdlib text (seed 0, context 6,
+    2 decode steps), recording ``model`` at ``path`` and then ``changes`` to its metadata."""
+    root.mkdir(exist_ok=True)
+    folder = root / f"{Path(model).stem}-stdlib-s0-c6-d2"
+    _write_small_capture(folder)
+    _rewrite_metadata(folder, **{"model": {"name": model, "path": str(path or model), "head_dim": 8, "num_layers": 2},
+                                 "source": {"corpus": "stdlib", "seed": 0}, **changes})
+    return folder
+
+
+def test_corpus_capture_reuses_only_a_folder_that_matches_the_request(tmp_path, monkeypatch):
+    from art_analysis import capture_store
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded although the capture is on disk")
+
+    monkeypatch.setattr(capture_store, "load_model", no_model)
+    root = tmp_path / "captures"
+    ours, other = tmp_path / "ours" / "tiny.gguf", tmp_path / "other" / "tiny.gguf"
+    for gguf in (ours, other):
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"")
+    folder = _corpus_folder(root, str(ours))
+    capture, found = capture_store.corpus_capture(str(ours), context=6, decode_steps=2, root=root)
+    assert found == folder and capture.context_tokens == 6
+
+    # Another model file of the same stem maps to the same folder.
+    with pytest.raises(ValueError, match=re.escape(f"capture folder '{folder}' does not match the request: it holds "
+                                                   f"model '{ours}' at '{ours}' (requested '{other}'); remove it")):
+        capture_store.corpus_capture(str(other), context=6, decode_steps=2, root=root)
+    # A folder whose metadata is not what its name says.
+    _rewrite_metadata(folder, context_tokens=7, prefill_layers=[1], source={"corpus": "docs", "seed": 1})
+    with pytest.raises(ValueError, match=r"it holds corpus 'docs' \(requested 'stdlib'\), seed 1 \(requested 0\), "
+                                         r"context_tokens 7 \(requested 6\), prefill_layers \[1\] \(requested \[\]\)"):
+        capture_store.corpus_capture(str(ours), context=6, decode_steps=2, root=root)
+
+    # The embedded model is known by its name (it need not be installed to reuse its captures).
+    folder = _corpus_folder(root, "smollm2", path="/elsewhere/SmolLM2.gguf")
+    assert capture_store.corpus_capture("smollm2", context=6, decode_steps=2, root=root)[1] == folder
+    _rewrite_metadata(folder, model={"name": "/models/smollm2", "head_dim": 8, "num_layers": 2})
+    with pytest.raises(ValueError, match=r"it holds model '/models/smollm2' \(requested 'smollm2'\)"):
+        capture_store.corpus_capture("smollm2", context=6, decode_steps=2, root=root)
+
+
 def test_missing_model_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
@@ -455,6 +561,19 @@ def test_cli_captures_a_passkey_prompt(loaded, tmp_path, monkeypatch, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(argv(steps=0) + ["--overwrite"]) == 2
     assert "--decode-steps must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_output_it_may_not_replace_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    def load_model(name):
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not a capture")
+    assert cli_main(["capture", "--context", "64", "--out", str(notes), "--overwrite", "--no-progress"]) == 2
+    assert "not a capture folder" in capsys.readouterr().err
+    assert (notes / "todo.txt").read_text() == "not a capture"
 
 
 @needs_model

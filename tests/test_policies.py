@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from art_analysis import policies
 from art_analysis.policies.base import validate_inputs
+from art_analysis.policies.oracle_contribution import block_contributions
 from art_analysis.policies.pyramidkv import pyramid_layer_tokens
 from art_analysis.policies.quest import page_key_bounds, page_score_bound
 
@@ -258,6 +259,32 @@ def test_oracle_contribution_equals_brute_force(budget, group_reduce):
                                         if block_of(i) == j).norm()) for key in rows], group_reduce)
                       for j in range(nb)]
             assert run(policy, k, v, queries)[b][kv] == top_with_forced(scores, [], count)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_oracle_contributions_ignore_garbage_past_the_lengths(garbage):
+    k, v, queries = make_inputs(seed=6)
+    lengths = torch.tensor(SEQLENS)
+    past = (torch.arange(SEQLEN) >= lengths[:, None])[:, None, :, None]
+    inputs = {fill: validate_inputs(k.masked_fill(past, fill), v.masked_fill(past, fill), queries=queries, layer=None,
+                                    num_layers=None, block_size=BLOCK, cache_seqlens=lengths)
+              for fill in (garbage, 0.0)}
+    assert torch.equal(block_contributions(inputs[garbage], None), block_contributions(inputs[0.0], None))
+
+
+@pytest.mark.parametrize("spec", ["dense", "streaming:budget=20", "snapkv:budget=20,window=8",
+                                  "pyramidkv:budget=20,window=8", "h2o:budget=20", "quest:budget=20,dense_layers=0",
+                                  "coverage:gamma=0.9", "oracle_contribution:budget=20"])
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_garbage_past_the_lengths_changes_no_selection(spec, garbage):
+    k, v, queries = make_inputs(seed=8)
+    lengths = torch.tensor(SEQLENS)
+    past = (torch.arange(SEQLEN) >= lengths[:, None])[:, None, :, None]
+    policy = policies.parse_spec(spec)
+    kept = {fill: policy.select(k.masked_fill(past, fill), v.masked_fill(past, fill), queries=queries, layer=1,
+                                num_layers=3, block_size=BLOCK, cache_seqlens=lengths)
+            for fill in (garbage, 0.0)}
+    assert torch.equal(kept[garbage], kept[0.0])
 
 
 def test_group_reduce_mean_and_max_differ_as_documented():

@@ -48,6 +48,26 @@ def test_dense_then_art_equals_art(cache, mode, order):
         assert torch.equal(got.loaded_fraction, expected.loaded_fraction)
 
 
+def test_the_walks_softmax_scale_also_scores_a_policy_without_one(cache):
+    scale = 0.7                                                     # not D ** -0.5 = 0.25
+    queries = cache.q[:, :, None]
+    result = simulate_policy(policies.make("coverage", gamma=0.8), cache.q, cache.k, cache.v, block_size=BLOCK,
+                             cache_seqlens=SEQLENS, sm_scale=scale)
+    scaled = policies.make("coverage", gamma=0.8, sm_scale=scale)
+    expected = scaled.select(cache.k, cache.v, queries=queries, block_size=BLOCK, cache_seqlens=SEQLENS)
+    assert torch.equal(result.selection, expected) and result.trace.sm_scale == scale
+    default = policies.make("coverage", gamma=0.8).select(cache.k, cache.v, queries=queries, block_size=BLOCK,
+                                                          cache_seqlens=SEQLENS)
+    assert not torch.equal(expected, default)
+    # A policy's own scale stays; a policy without softmax scores, or no scale given, is left as it is.
+    own = policies.make("coverage", gamma=0.8, sm_scale=0.25)
+    assert own.with_sm_scale(scale) is own and scaled.with_sm_scale(None) is scaled
+    quest = policies.make("quest", budget=0.5)
+    assert quest.with_sm_scale(scale) is quest
+    assert policies.make("snapkv", budget=0.5).with_sm_scale(scale) == policies.make("snapkv", budget=0.5,
+                                                                                     sm_scale=scale)
+
+
 @pytest.mark.parametrize("spec", ["streaming:budget=0.3", "snapkv:budget=0.4,window=16", "quest:budget=96",
                                   "coverage:gamma=0.8", "h2o:budget=0.5"])
 def test_the_walk_visits_exactly_the_kept_blocks(cache, spec):

@@ -8,19 +8,23 @@ import torch
 from safetensors.torch import load_file
 
 from art_analysis.analysis.ablation import ablation_table, ablation_variants
-from art_analysis.analysis.bounds import bound_summary, bound_table
+from art_analysis import policies
+from art_analysis.analysis.bounds import bound_summary, bound_table, truncation_report
 from art_analysis.analysis.composition import compose_with_art
 from art_analysis.analysis.convergence import convergence_curves, error_at, error_curve, recent_window_curves
 from art_analysis.analysis.inputs import DecodeInput, decode_inputs, traces
-from art_analysis.analysis.misalignment import misaligned_tokens, misalignment_rates
+from art_analysis.analysis.misalignment import misaligned_fraction, misaligned_tokens, misalignment_rates, token_scores
 from art_analysis.analysis.sensitivity import (baseline_sweep, choose_setting, pareto_front, pick_default,
                                                threshold_grid)
 from art_analysis.cli import main
 from art_analysis.analysis.bounds import bound_rules
+from art_analysis.blockwise import blockwise_attention
+from art_analysis.policies.compose import simulate_policy
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, FixedBudget, MassCoverage, Oracle, stop
 
 CAPTURED_LAYER = Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors"
+SCALE = 0.7     # a model's softmax scale that is not D ** -0.5 (0.25 for the caches' D = 16)
 
 
 def sink_only_cache(seqlen=640, dim=8, kv_heads=2, group=2, sink_tokens=4):
@@ -44,6 +48,12 @@ def walks(realistic):
     return traces(realistic, block_size=100)
 
 
+@pytest.fixture(scope="module")
+def scaled(realistic):
+    """The realistic cache as the decode call of a model whose softmax scale is ``SCALE``."""
+    return decode_inputs(realistic)[0]._replace(sm_scale=SCALE)
+
+
 def captured_inputs(steps=2):
     tensors = load_file(str(CAPTURED_LAYER))
     k, v, decode_q = tensors["k"].double(), tensors["v"].double(), tensors["decode_q"].double()
@@ -60,6 +70,19 @@ def test_decode_inputs_accept_every_source(realistic):
         decode_inputs("captures/x")
     with pytest.raises(TypeError, match="DecodeInput"):
         decode_inputs([(1, 2)])
+
+
+def test_decode_inputs_carry_the_softmax_scale_into_their_walks(realistic, scaled):
+    call = decode_inputs(realistic)[0]
+    assert call.sm_scale is None
+    assert decode_inputs([tuple(scaled)])[0].sm_scale == SCALE                  # 8-tuples
+    assert decode_inputs([tuple(scaled)[:7]])[0].sm_scale is None               # 7-tuples: D ** -0.5
+    expected = blockwise_attention(call.q, call.k, call.v, block_size=100, cache_seqlens=call.cache_seqlens,
+                                   sm_scale=SCALE)
+    trace = scaled.trace(block_size=100)
+    assert trace.sm_scale == SCALE and torch.equal(trace.partial_out, expected.partial_out)
+    assert torch.equal(traces([scaled], block_size=100)[0].final_out, expected.final_out)
+    assert not torch.allclose(trace.final_out, call.trace(block_size=100).final_out)
 
 
 # ----------------------------------------------------------------------------- convergence
@@ -87,13 +110,15 @@ def test_recent_window_without_the_sink_misses_it_and_with_it_is_exact():
     assert with_sink["loaded_fraction"].iloc[0] == pytest.approx((160 + 4) / 640)
 
 
-def test_recent_window_matches_direct_attention_over_the_window(realistic):
-    window = recent_window_curves(realistic, fractions=[0.3], sink_tokens=(0, 4))
+@pytest.mark.parametrize("sm_scale", [None, SCALE])
+def test_recent_window_matches_direct_attention_over_the_window(realistic, sm_scale):
+    window = recent_window_curves([decode_inputs(realistic)[0]._replace(sm_scale=sm_scale)], fractions=[0.3],
+                                  sink_tokens=(0, 4))
     q, k, v = realistic.q.double(), realistic.k.double(), realistic.v.double()
     keep = torch.zeros(1000, dtype=torch.bool)
     keep[-300:] = True
     keep[:4] = True
-    logits = torch.einsum("bhd,bhsd->bhs", q, k.repeat_interleave(2, 1)) / 4.0
+    logits = torch.einsum("bhd,bhsd->bhs", q, k.repeat_interleave(2, 1)) * (0.25 if sm_scale is None else sm_scale)
     full = torch.einsum("bhs,bhsd->bhd", torch.softmax(logits, -1), v.repeat_interleave(2, 1))
     part = torch.einsum("bhs,bhsd->bhd", torch.softmax(logits.masked_fill(~keep, float("-inf")), -1),
                         v.repeat_interleave(2, 1))
@@ -114,6 +139,16 @@ def test_convergence_quantiles_are_over_heads(walks, realistic):
     assert list(curves.columns[:2]) == ["layer", "order"] and (curves["heads"] == 4).all()
     with pytest.raises(ValueError, match="orders"):
         convergence_curves(realistic, orders=("random",))
+
+
+def test_convergence_curves_walk_at_the_inputs_softmax_scale(scaled):
+    fractions = torch.tensor([0.2, 0.5], dtype=torch.float64)
+    expected = error_at(blockwise_attention(scaled.q, scaled.k, scaled.v, block_size=100, sm_scale=SCALE), fractions)
+    curves = convergence_curves([scaled], orders=("sink_recency",), fractions=fractions, block_size=100)
+    assert curves["error_mean"].tolist() == pytest.approx(expected.mean(0).tolist(), rel=1e-12)
+    default = convergence_curves([scaled._replace(sm_scale=None)], orders=("sink_recency",), fractions=fractions,
+                                 block_size=100)
+    assert default["error_mean"].tolist() != pytest.approx(curves["error_mean"].tolist(), rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- misalignment
@@ -142,6 +177,17 @@ def test_aligned_rankings_have_no_misalignment_and_full_recall():
         misalignment_rates([call], top=0)
     with pytest.raises(ValueError, match="layer 3"):
         misaligned_tokens([call], layer=3)
+
+
+def test_misalignment_scores_at_the_inputs_softmax_scale(scaled):
+    score, contribution = token_scores(scaled.q[0], scaled.k[0], scaled.v[0], 1000, sm_scale=SCALE)
+    tokens = misaligned_tokens([scaled])
+    assert torch.equal(torch.tensor(tokens["score"].to_numpy()), score.flatten())
+    assert torch.equal(torch.tensor(tokens["contribution"].to_numpy()), contribution.flatten())
+    rates = misalignment_rates([scaled], top=0.05)
+    assert rates["misaligned_rate"].tolist() == misaligned_fraction(score, contribution, 0.05).tolist()
+    default, _ = token_scores(scaled.q[0], scaled.k[0], scaled.v[0], 1000)
+    assert not torch.allclose(score, default)
 
 
 # ----------------------------------------------------------------------------- sensitivity
@@ -220,6 +266,17 @@ def test_bounds_hold_on_a_captured_layer():
     assert table[["bound_mean_holds", "bound_max_value_holds", "bound_certified_holds"]].all().all()
 
 
+def test_bound_table_walks_at_the_inputs_softmax_scale(scaled):
+    rule = FixedBudget(3)
+    table = bound_table([scaled], {"fixed_3": rule}, block_size=100)
+    trace = blockwise_attention(scaled.q, scaled.k, scaled.v, block_size=100, sm_scale=SCALE)
+    report = truncation_report(trace, scaled.q, scaled.k, scaled.v, stop(trace, rule).stop_step)
+    assert table["error"].tolist() == pytest.approx(report.error.flatten().tolist(), rel=1e-12)
+    assert table["rho"].tolist() == pytest.approx(report.rho.flatten().tolist(), rel=1e-12)
+    default = bound_table([scaled._replace(sm_scale=None)], {"fixed_3": rule}, block_size=100)
+    assert default["error"].tolist() != pytest.approx(table["error"].tolist(), rel=1e-3)
+
+
 def test_a_violated_bound_is_reported():
     table = bound_table(captured_inputs(1), {"fixed_1": FixedBudget(1)})
     table.loc[0, "bound_mean_holds"] = False
@@ -236,6 +293,36 @@ def test_composition_table_per_policy(realistic):
     assert dense["loaded_fraction"] == pytest.approx(dense["art_loaded_of_kept"])
     with pytest.raises(ValueError, match="policy spec"):
         compose_with_art(realistic, [])
+
+
+def test_composition_walks_and_scores_at_the_inputs_softmax_scale(scaled):
+    art = ARTConfig(tau=1e-2, phi=1e-4, patience=2)
+    table = compose_with_art([scaled], ["coverage:gamma=0.8"], art=art, block_size=100).iloc[0]
+    policy = policies.make("coverage", gamma=0.8, sm_scale=SCALE)
+    dense = blockwise_attention(scaled.q, scaled.k, scaled.v, block_size=100, sm_scale=SCALE).final_out
+    walk = simulate_policy(policy, scaled.q, scaled.k, scaled.v, queries=scaled.queries, block_size=100,
+                           sm_scale=SCALE)
+    result = stop(walk.trace, art)
+    total = (result.output - dense).norm(dim=-1) / dense.norm(dim=-1)
+    assert table["total_error"] == pytest.approx(float(total.mean()), rel=1e-12)
+    kept = walk.trace.block_tokens.sum(-1).double().repeat_interleave(2, dim=1) / 1000
+    assert table["kept_fraction"] == pytest.approx(float(kept.mean()), rel=1e-12)
+    default = compose_with_art([scaled._replace(sm_scale=None)], ["coverage:gamma=0.8"], art=art,
+                               block_size=100).iloc[0]
+    assert default["kept_fraction"] != pytest.approx(table["kept_fraction"], rel=1e-3)
+
+
+def test_composition_takes_policy_objects_and_a_list_of_specs_only(realistic):
+    art = ARTConfig(tau=1e-2, phi=1e-4, patience=2)
+    policy = policies.make("streaming", budget=0.5, sink_tokens=64)
+    table = compose_with_art(realistic, ["dense", policy], art=art)
+    assert list(table["policy"]) == ["dense", policy.spec]
+    by_spec = compose_with_art(realistic, ["dense", policy.spec], art=art)
+    pd.testing.assert_frame_equal(table, by_spec)
+    with pytest.raises(TypeError, match=r"a list of policy specs, e.g. \['snapkv:budget=0.2'\], not one string"):
+        compose_with_art(realistic, "snapkv:budget=0.2")
+    with pytest.raises(ValueError, match=r"order must be one of \('sequential', 'recency', 'sink_recency'\)"):
+        compose_with_art(realistic, ["dense"], order="importance")
 
 
 # ----------------------------------------------------------------------------- commands

@@ -95,7 +95,8 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     unvisited = in_walk & ~visited
 
     k64 = k.double().repeat_interleave(group, dim=1)
-    v64 = v.double().repeat_interleave(group, dim=1)
+    # Values past the length may be NaN or Inf, which the zero weights there would not cancel.
+    v64 = torch.where(valid[..., None], v.double(), 0.0).repeat_interleave(group, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q.double(), k64) * trace.sm_scale
     scores = scores.masked_fill(~in_walk, float("-inf"))
     weights = torch.softmax(scores, dim=-1)

@@ -16,6 +16,8 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from kernels.softmax_scale import softmax_scale
+
 from ..blockwise import BlockTrace
 from ..orders import ORDERS
 from .inputs import decode_inputs
@@ -92,7 +94,7 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
 
     For window fraction ``f`` the output attends to the newest ``ceil(f * seqlen)`` valid tokens
     and, when ``sink_tokens = s > 0``, also to the first ``s`` tokens (StreamingLLM's sink); the
-    error is ``||O_window - O_full|| / ||O_full||`` in float64.
+    error is ``||O_window - O_full|| / ||O_full||`` in float64, at each input's ``sm_scale``.
 
     Returns:
         One row per ``(layer, window, loaded_fraction)`` with ``window`` = ``"recent"`` or
@@ -104,13 +106,14 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
     for call in decode_inputs(source, step):
         batch, kv_heads, _, dim = call.k.shape
         group = call.q.shape[1] // kv_heads
+        scale = softmax_scale(call.sm_scale, dim)
         per_sequence = {s: [] for s in sink_tokens}
         loaded = {s: [] for s in sink_tokens}
         for b in range(batch):
             seqlen = int(call.cache_seqlens[b])
             k = call.k[b, :, :seqlen].double().repeat_interleave(group, 0)
             v = call.v[b, :, :seqlen].double().repeat_interleave(group, 0)
-            logits = torch.einsum("hd,hsd->hs", call.q[b].double(), k) * dim ** -0.5
+            logits = torch.einsum("hd,hsd->hs", call.q[b].double(), k) * scale
             weights = torch.exp(logits - logits.amax(-1, keepdim=True))                   # [Hq, S]
             full = torch.einsum("hs,hsd->hd", weights, v) / weights.sum(-1, keepdim=True)
             # Newest-first cumulative sums: index n - 1 holds the newest n tokens.

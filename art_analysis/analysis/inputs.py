@@ -2,7 +2,7 @@
 
 Each study accepts a *source*: a :class:`~art_analysis.capture.KVCapture` (every captured layer
 at one decode step), a :class:`~art_analysis.synthetic.SyntheticCache` (one "layer" 0), or a
-sequence of :class:`DecodeInput` (or plain tuples in its field order).
+sequence of :class:`DecodeInput` (or plain tuples in its field order, ``sm_scale`` optional).
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class DecodeInput(NamedTuple):
         queries: ``[B, Hq, n, D]`` recent queries for query-aware policies, or ``None``.
         layer: the model layer (0 for a synthetic cache).
         num_layers: the model's layer count (1 for a synthetic cache).
+        sm_scale: the softmax scale the model used (a capture's :attr:`~art_analysis.capture.KVCapture.sm_scale`),
+            or ``None`` for ``D ** -0.5``.
     """
 
     q: torch.Tensor
@@ -33,26 +35,28 @@ class DecodeInput(NamedTuple):
     queries: torch.Tensor | None
     layer: int
     num_layers: int
+    sm_scale: float | None = None
 
     def trace(self, *, order: str = "sink_recency", block_size: int = 64, mode: str = "exact") -> BlockTrace:
-        """The simulator's walk of this call; ``order="importance"`` walks blocks by
+        """The simulator's walk of this call, at its ``sm_scale``; ``order="importance"`` walks blocks by
         :func:`~art_analysis.policies.quest.group_block_bounds` (Quest's key bound), highest first."""
         scores = None
         if order == "importance":
             scores = group_block_bounds(self.q, self.k, self.v, block_size=block_size,
                                         cache_seqlens=self.cache_seqlens)
         return blockwise_attention(self.q, self.k, self.v, block_size=block_size, order=order,
-                                   cache_seqlens=self.cache_seqlens, mode=mode, block_scores=scores)
+                                   cache_seqlens=self.cache_seqlens, sm_scale=self.sm_scale, mode=mode,
+                                   block_scores=scores)
 
 
 def decode_inputs(source, step: int = -1) -> list[DecodeInput]:
     """The decode calls of ``source`` (see the module docstring); ``step`` picks a capture's decode
-    step (negative counts from the end)."""
+    step (negative counts from the end).  A capture's calls carry its softmax scale."""
     from ..capture import KVCapture
     from ..synthetic import SyntheticCache
 
     if isinstance(source, KVCapture):
-        return [DecodeInput(*call) for call in source.policy_inputs(step)]
+        return [DecodeInput(*call, sm_scale=source.sm_scale) for call in source.policy_inputs(step)]
     if isinstance(source, SyntheticCache):
         batch, _, seqlen, _ = source.k.shape
         lengths = torch.full((batch,), seqlen, dtype=torch.int32, device=source.k.device)
@@ -61,14 +65,16 @@ def decode_inputs(source, step: int = -1) -> list[DecodeInput]:
         return [source]
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and source:
         calls = []
+        fields = DecodeInput._fields
         for call in source:
             if isinstance(call, DecodeInput):
                 calls.append(call)
-            elif isinstance(call, tuple) and len(call) == len(DecodeInput._fields):
+            elif isinstance(call, tuple) and len(fields) - 1 <= len(call) <= len(fields):
                 calls.append(DecodeInput(*call))
             else:
-                raise TypeError(f"a source sequence must hold DecodeInput or {len(DecodeInput._fields)}-tuples "
-                                f"({', '.join(DecodeInput._fields)}), got {type(call).__name__}")
+                raise TypeError(f"a source sequence must hold DecodeInput or tuples of {len(fields) - 1} or "
+                                f"{len(fields)} items ({', '.join(fields)}; sm_scale optional), "
+                                f"got {type(call).__name__}")
         return calls
     raise TypeError("source must be a KVCapture, a SyntheticCache or a non-empty sequence of DecodeInput, "
                     f"got {type(source).__name__}")

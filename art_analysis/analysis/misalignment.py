@@ -16,6 +16,8 @@ from typing import Sequence
 import pandas as pd
 import torch
 
+from kernels.softmax_scale import softmax_scale
+
 from ..checks import check_fraction
 from .inputs import decode_inputs
 
@@ -26,6 +28,7 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
 
     Args:
         q: ``[Hq, D]``; k, v: ``[Hkv, S, D]``; seqlen: valid tokens.
+        sm_scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
         ``(score, contribution)``, both ``[Hkv, seqlen]`` float64 (max over the group's query heads).
@@ -39,7 +42,7 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
         raise ValueError(f"seqlen must lie in [1, S={k.shape[1]}], got {seqlen}")
     kv_heads = k.shape[0]
     group = q.shape[0] // kv_heads
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = softmax_scale(sm_scale, q.shape[-1])
     k, v = k[:, :seqlen].double(), v[:, :seqlen].double()
     logits = torch.einsum("hgd,hsd->hgs", q.double().view(kv_heads, group, -1), k) * sm_scale
     weights = torch.softmax(logits, dim=-1)
@@ -79,7 +82,7 @@ def misalignment_rates(source, *, top: float = 0.2, ks: Sequence[float] = (0.01,
     for call in decode_inputs(source, step):
         for b in range(call.q.shape[0]):
             seqlen = int(call.cache_seqlens[b])
-            score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen)
+            score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen, call.sm_scale)
             rate = misaligned_fraction(score, contribution, top)
             recall = {f"recall@{k:g}": (_top_mask(contribution, k) & _top_mask(score, k)).sum(-1).double()
                       / _top_mask(contribution, k).sum(-1) for k in ks}
@@ -111,7 +114,7 @@ def misaligned_tokens(source, *, layer: int | None = None, top: float = 0.2, ste
     frames = []
     for b in range(call.q.shape[0]):
         seqlen = int(call.cache_seqlens[b])
-        score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen)
+        score, contribution = token_scores(call.q[b], call.k[b], call.v[b], seqlen, call.sm_scale)
         by_contribution = _top_mask(contribution, top)
         misaligned = by_contribution & ~_top_mask(score, top)
         rank = torch.empty_like(score).scatter_(-1, score.argsort(-1, descending=True),

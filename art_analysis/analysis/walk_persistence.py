@@ -36,7 +36,8 @@ from ..termination import ARTConfig, replay_kernel_walks
 def decode_walks(capture, rule: ARTConfig, *, block_size: int = 64, order: str = "sink_recency",
                  progress: bool = True) -> torch.Tensor:
     """``[L, T, B, Hkv]`` int64: the blocks each ``(b, kv_head)`` walk of the capture's ``L`` layers loads at
-    each of its ``T`` decode steps under ``rule`` (``group="all"``, the kernel's rule), in the capture's dtype."""
+    each of its ``T`` decode steps under ``rule`` (``group="all"``, the kernel's rule), in the capture's dtype
+    and at the model's softmax scale."""
     from ..capture import KVCapture
 
     if not isinstance(capture, KVCapture):
@@ -52,7 +53,8 @@ def decode_walks(capture, rule: ARTConfig, *, block_size: int = 64, order: str =
         for step in range(capture.decode_steps):
             length = int(capture.cache_seqlens_for_step(step)[0])
             steps.append(replay_kernel_walks(q[:, :, step].contiguous(), k[:, :, :length].contiguous(),
-                                             v[:, :, :length].contiguous(), rule, block_size=block_size, order=order))
+                                             v[:, :, :length].contiguous(), rule, block_size=block_size, order=order,
+                                             sm_scale=capture.sm_scale))
         walks.append(torch.stack(steps))
     return torch.stack(walks)
 

@@ -61,12 +61,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..capture import capture_kv
+    from ..capture import capture_kv, check_capture_destination
     from ..corpus import long_text
     from ..models import load_model
 
-    if args.out.exists() and not args.overwrite:
-        raise FileExistsError(f"output folder {str(args.out)!r} already exists; pass --overwrite to replace it")
+    check_capture_destination(args.out, args.overwrite)
     check_output_folder(args.out.resolve().parent, f"--out {str(args.out)!r}: its parent")
     if args.decode_steps < 1:
         raise ValueError(f"--decode-steps must be >= 1, got {args.decode_steps}")

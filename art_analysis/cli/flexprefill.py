@@ -78,7 +78,8 @@ def _export(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _inputs(args):
-    """Yield ``(label, layer, q [B,Hq,N,D], k, v [B,Hkv,N,D])``."""
+    """Yield ``(label, layer, q [B,Hq,N,D], k, v [B,Hkv,N,D], sm_scale)``: a capture's layers at the model's softmax
+    scale, or a synthetic prefill at ``D ** -0.5`` (``None``)."""
     if args.capture is not None:
         from ..capture import KVCapture
 
@@ -94,14 +95,14 @@ def _inputs(args):
             q = capture.prefill_queries(layer).float()
             _, k, v = capture.layer(layer)
             n = q.shape[2]
-            yield f"layer {layer}", layer, q, k[:, :, :n].float(), v[:, :, :n].float()
+            yield f"layer {layer}", layer, q, k[:, :, :n].float(), v[:, :, :n].float(), capture.sm_scale
         return
     from kernels.bench_flexprefill import structured_prefill
 
     q_heads, kv_heads = parse_head_counts(args.heads)
     q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
                                  dtype=torch.float32, device="cpu")
-    yield "synthetic", 0, q, k, v
+    yield "synthetic", 0, q, k, v, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_js_eps:
         quirks["js_eps"] = None
     rows, labels, js, aware, kept_curves, error_curves, exported = [], [], [], [], {}, {}, {}
-    for label, layer, q, k, v in _inputs(args):
+    for label, layer, q, k, v, sm_scale in _inputs(args):
         if args.export_prefill:
             exported.update({f"q{layer}": q, f"k{layer}": k, f"v{layer}": v})
         sweep = gamma_sweep(q, k, v, args.gammas, tau=args.tau, block_size=args.block_size,
-                            min_budget=args.min_budget, max_budget=args.max_budget, **quirks)
+                            min_budget=args.min_budget, max_budget=args.max_budget, sm_scale=sm_scale, **quirks)
         query_aware = sweep.pattern == QUERY_AWARE
         labels.append(label)
         js.append(sweep.js_distance.mean(dim=0))

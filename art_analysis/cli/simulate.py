@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from kernels.results_io import write_json_atomic
 
-from ..blockwise import MODES, blockwise_attention
+from ..analysis.inputs import DecodeInput, decode_inputs
+from ..blockwise import MODES
 from ..orders import ORDERS
 from ..rules_summary import SUMMARY_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
@@ -46,23 +45,23 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")
     art = art_config_from_args(args)
-    inputs = list(_inputs(args))
+    inputs = _inputs(args)
     traces = []
     policy = None
     if args.policy:
         from ..policies import parse_spec
 
         policy = parse_spec(args.policy)
-    for q, k, v, seqlens, queries, layer, num_layers in inputs:
+    for call in inputs:
         if policy is None:
-            traces.append(blockwise_attention(q, k, v, block_size=args.block_size, order=args.order,
-                                              cache_seqlens=seqlens, mode=args.mode))
+            traces.append(call.trace(order=args.order, block_size=args.block_size, mode=args.mode))
         else:
             from ..policies.compose import simulate_policy
 
             # The walk the paged kernel makes over the kept blocks (see policies.compose).
-            traces.append(simulate_policy(policy, q, k, v, queries=queries, layer=layer, num_layers=num_layers,
-                                          block_size=args.block_size, order=args.order, cache_seqlens=seqlens,
+            traces.append(simulate_policy(policy, call.q, call.k, call.v, queries=call.queries, layer=call.layer,
+                                          num_layers=call.num_layers, block_size=args.block_size, order=args.order,
+                                          cache_seqlens=call.cache_seqlens, sm_scale=call.sm_scale,
                                           mode=args.mode).trace)
     rows = summarize(traces, standard_rules(art))
     print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
@@ -71,19 +70,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inputs(args):
-    """Yield ``(q [B,Hq,D], k, v [B,Hkv,S,D], cache_seqlens [B], queries, layer, num_layers)``."""
+def _inputs(args) -> list[DecodeInput]:
+    """The decode calls to simulate: every layer (or ``--layer``) of the capture at ``--step``, at the model's
+    softmax scale, or the synthetic cache as one layer (layer-wise budgets reduce to the uniform one)."""
     if args.capture is not None:
         from ..capture import KVCapture
 
         capture = KVCapture.load(args.capture)
         if args.layer is not None:
             capture = capture.select(layers=[args.layer])
-        yield from capture.policy_inputs(args.step)
-        return
+        return decode_inputs(capture, args.step)
     q_heads, kv_heads = parse_head_counts(args.heads)
-    cache = synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim, preset=args.synthetic,
-                            seed=args.seed)
-    seqlens = torch.full((args.batch,), args.seqlen)
-    # A synthetic cache is a one-layer model (layer-wise budgets reduce to the uniform one).
-    yield cache.q, cache.k, cache.v, seqlens, cache.q[:, :, None, :], 0, 1
+    return decode_inputs(synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim,
+                                         preset=args.synthetic, seed=args.seed))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -144,6 +144,14 @@ class SelectionPolicy(ABC):
     @abstractmethod
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         """``BoolTensor [B, Hkv, nb]`` from validated inputs."""
+
+    def with_sm_scale(self, sm_scale: float | None) -> SelectionPolicy:
+        """This policy scoring at ``sm_scale`` (e.g. the model's, from a capture): a copy with that ``sm_scale``
+        where the policy has an ``sm_scale`` field left at ``None`` (``D ** -0.5``); else the policy itself
+        (no softmax scores, a scale of its own, or ``sm_scale=None``)."""
+        if sm_scale is None or "sm_scale" not in {f.name for f in fields(self)} or self.sm_scale is not None:
+            return self
+        return replace(self, sm_scale=sm_scale)
 
     @property
     def spec(self) -> str:

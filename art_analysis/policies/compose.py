@@ -142,12 +142,15 @@ def simulate_policy(policy: SelectionPolicy, q: torch.Tensor, k: torch.Tensor, v
             ``q[:, :, None]`` (Quest's setting; for SnapKV and H2O pass an observation window).
         layer, num_layers, block_size, cache_seqlens: passed to ``policy.select`` and the walk.
         order: one of :data:`WALK_ORDERS`.
-        sm_scale, mode: passed to :func:`~art_analysis.blockwise.blockwise_attention`.
+        sm_scale, mode: passed to :func:`~art_analysis.blockwise.blockwise_attention`; ``sm_scale`` (the
+            model's softmax scale, default ``D ** -0.5``) also scores a policy whose own ``sm_scale`` is ``None``
+            (:meth:`~art_analysis.policies.base.SelectionPolicy.with_sm_scale`).
 
     Apply a stopping rule with ``art_analysis.termination.stop(result.trace, rule)``.
     """
     if queries is None and policy.needs_queries and isinstance(q, torch.Tensor) and q.dim() == 3:
         queries = q[:, :, None]
+    policy = policy.with_sm_scale(sm_scale)
     selection = policy.select(k, v, queries=queries, layer=layer, num_layers=num_layers, block_size=block_size,
                               cache_seqlens=cache_seqlens)
     walk = walk_order(selection, order, block_size=block_size, cache_seqlens=cache_seqlens, seqlen=k.shape[2])

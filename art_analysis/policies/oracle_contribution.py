@@ -18,10 +18,12 @@ from .scores import attention_weights, check_group_reduce, check_sm_scale, reduc
 def block_contributions(inputs: SelectionInputs, sm_scale: float | None) -> torch.Tensor:
     """``||sum_{i in block} a_i v_i||`` per query head, query and block: ``[B, Hkv, G, Nq, nb]`` float64.
 
-    ``a`` are the softmax weights of each query over all valid tokens.
+    ``a`` are the softmax weights of each query over all valid tokens; values past a sequence's length count as
+    zeros (they may be NaN or Inf, which a zero weight would not cancel).
     """
     weights = inputs.to_blocks(attention_weights(inputs, sm_scale), dim=-1)          # [B, Hkv, G, Nq, nb, bs]
-    values = inputs.to_blocks(inputs.v.to(torch.float64))                          # [B, Hkv, nb, bs, D]
+    valid = inputs.valid_tokens[:, None, :, None]
+    values = inputs.to_blocks(torch.where(valid, inputs.v.to(torch.float64), 0.0))   # [B, Hkv, nb, bs, D]
     outputs = torch.einsum("bhgqpl,bhpld->bhgqpd", weights, values)
     return torch.linalg.vector_norm(outputs, dim=-1)
 
