@@ -387,8 +387,13 @@ class KVCapture:
                                                        "generated_ids": (batch, steps + 1)}, floating=False)
         hq, hkv, d = len(metadata["query_heads"]), len(metadata["kv_heads"]), metadata["model"]["head_dim"]
         layer_shapes = {"k": (batch, hkv, length, d), "v": (batch, hkv, length, d), "decode_q": (batch, hq, steps, d)}
+        # prefill queries are stored cut to the stored length, as k and v
+        prefill_shape = {"prefill_q": (batch, hq, min(metadata["context_tokens"], length), d)}
+        dtype = getattr(torch, metadata["dtype"])
         return cls(metadata, tokens["token_ids"], tokens["generated_ids"],
-                   lambda layer: _read_safetensors(src / layer_filename(layer), layer_shapes))
+                   lambda layer: _read_safetensors(
+                       src / layer_filename(layer),
+                       {**layer_shapes, **(prefill_shape if layer in metadata["prefill_layers"] else {})}, dtype=dtype))
 
 
 def _check_metadata(metadata: dict, path: Path) -> None:
@@ -405,6 +410,8 @@ def _check_metadata(metadata: dict, path: Path) -> None:
                 and len(set(value)) == len(value)):
             raise damaged(f"{key} must be a list of distinct ints >= 0{' (at least one)' if nonempty else ''}, "
                           f"got {value!r}")
+    if not set(metadata["prefill_layers"]) <= set(metadata["layers"]):
+        raise damaged(f"prefill_layers {metadata['prefill_layers']} must be among the layers {metadata['layers']}")
     if len(metadata["query_heads"]) % len(metadata["kv_heads"]):
         raise damaged(f"{len(metadata['query_heads'])} query heads do not split into groups of the "
                       f"{len(metadata['kv_heads'])} KV heads")
@@ -418,6 +425,8 @@ def _check_metadata(metadata: dict, path: Path) -> None:
     if not (isinstance(model, dict) and isinstance(model.get("name"), str) and is_count(model.get("head_dim"), 1)
             and is_count(model.get("num_layers"), 1)):
         raise damaged(f"model must name the model and give its head_dim and num_layers (ints >= 1), got {model!r}")
+    if max(metadata["layers"]) >= model["num_layers"]:
+        raise damaged(f"layer {max(metadata['layers'])} is past the model's {model['num_layers']} layers")
     dtype = getattr(torch, str(metadata.get("dtype")), None)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise damaged(f"dtype must name a floating torch dtype, got {metadata.get('dtype')!r}")
@@ -426,10 +435,11 @@ def _check_metadata(metadata: dict, path: Path) -> None:
         raise damaged(f"sm_scale must be a finite number > 0, got {scale!r}")
 
 
-def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: bool = True) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: bool = True,
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one file of a capture, each of ``shapes`` present with that shape (the token axis of ``k``,
-    ``v`` and ``token_ids`` at least as long) and of a floating (``floating``) or integer dtype, else
-    ``ValueError`` naming the file."""
+    ``v`` and ``token_ids`` at least as long) and of a floating (``floating``) or integer dtype, and ``dtype`` (the
+    metadata's) where given, else ``ValueError`` naming the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -443,9 +453,11 @@ def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: 
         got = tuple(t.shape)
         fits = len(got) == len(shape) and all(g == e or (i == token_axis and g >= e)
                                               for i, (g, e) in enumerate(zip(got, shape)))
-        if not fits or t.is_floating_point() != floating:
+        if not fits or t.is_floating_point() != floating or dtype not in (None, t.dtype):
+            kind = (f"a {str(dtype).removeprefix('torch.')}" if dtype is not None
+                    else "a floating" if floating else "an integer")
             raise ValueError(f"{str(path)!r}: {name} is {t.dtype} of shape {got}, expected "
-                             f"{'a floating' if floating else 'an integer'} tensor of shape {shape}"
+                             f"{kind} tensor of shape {shape}"
                              f"{' (or longer along the tokens)' if token_axis else ''}; the capture is damaged")
     return tensors
 

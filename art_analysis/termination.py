@@ -197,6 +197,7 @@ class StopResult:
         loaded_fraction: ``[B, Hq]`` visited tokens over the tokens of the whole walk.
         rel_error: ``[B, Hq]`` ``||output - final_out|| / ||final_out||``.
         cos_error: ``[B, Hq]`` ``1 - cos(output, final_out)``.
+        group_size: the trace's query heads per KV head (``Hq / Hkv``).
     """
 
     stop_step: torch.Tensor
@@ -204,6 +205,7 @@ class StopResult:
     loaded_fraction: torch.Tensor
     rel_error: torch.Tensor
     cos_error: torch.Tensor
+    group_size: int
 
 
 @dataclass
@@ -243,8 +245,9 @@ def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
     if not isinstance(result, StopResult):
         raise TypeError(f"result must be the StopResult of `stop`, got {type(result).__name__}")
     batch, q_heads = result.stop_step.shape
-    if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(f"kv_heads must divide the {q_heads} query heads, got {kv_heads}")
+    if kv_heads * result.group_size != q_heads:
+        raise ValueError(f"kv_heads must be the trace's {q_heads // result.group_size} KV heads ({q_heads} query "
+                         f"heads in groups of {result.group_size}), got {kv_heads!r}")
     grouped = result.stop_step.view(batch, kv_heads, q_heads // kv_heads)
     if not bool((grouped == grouped[..., :1]).all()):
         raise ValueError("the query heads of a KV head stop at different steps: use a rule with group='all'")
@@ -372,7 +375,7 @@ def _result(trace: BlockTrace, stop_step: torch.Tensor) -> StopResult:
     rel_error = torch.linalg.vector_norm(output - final, dim=-1) / torch.clamp(final_norm, min=_TINY)
     cos_error = one_minus_cos(output, final, torch.linalg.vector_norm(output, dim=-1), final_norm)
     return StopResult(stop_step=stop_step, output=output, loaded_fraction=loaded_fraction,
-                      rel_error=rel_error, cos_error=cos_error)
+                      rel_error=rel_error, cos_error=cos_error, group_size=trace.group_size)
 
 
 def one_minus_cos(x: torch.Tensor, y: torch.Tensor, norm_x: torch.Tensor, norm_y: torch.Tensor) -> torch.Tensor:

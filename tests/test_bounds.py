@@ -48,6 +48,30 @@ def test_garbage_past_the_lengths_changes_no_report(garbage):
     pd.testing.assert_frame_equal(tables[garbage], tables[0.0], check_exact=True)
 
 
+def test_truncation_report_refuses_inputs_and_stops_that_are_not_the_traces():
+    cache = synthetic_cache(2, 6, 2, 300, 16, seed=2)
+    lens = torch.tensor([300, 200])
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64, cache_seqlens=lens)
+    stop_step = stop(trace, FixedBudget(2)).stop_step
+    with pytest.raises(ValueError, match="must be the inputs that produced the trace"):
+        truncation_report(trace, cache.q * 2, cache.k, cache.v, stop_step, lens)
+    with pytest.raises(ValueError, match=r"q must be the trace's \[B, Hq, D\]=\(2, 6, 16\)"):
+        truncation_report(trace, cache.q[:, :3], cache.k, cache.v, stop_step, lens)
+    with pytest.raises(ValueError, match="q must be the trace's"):
+        truncation_report(trace, cache.q, cache.k[:, :1], cache.v[:, :1], stop_step, lens)
+    with pytest.raises(TypeError, match="stop_step must be an int tensor"):
+        truncation_report(trace, cache.q, cache.k, cache.v, stop_step.double(), lens)
+    # sequence 1 walks 4 blocks (200 tokens): steps 0-3
+    for bad in (-1, 4):
+        too_far = stop_step.clone()
+        too_far[1, 0] = bad
+        with pytest.raises(ValueError, match="stop_step must lie within each head's walk"):
+            truncation_report(trace, cache.q, cache.k, cache.v, too_far, lens)
+    last = stop_step.clone()
+    last[1] = 3
+    truncation_report(trace, cache.q, cache.k, cache.v, last, lens)
+
+
 def test_full_walk_has_zero_error_and_zero_bounds():
     cache = synthetic_cache(1, 4, 2, 300, 8)
     trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=32)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from art_analysis import capture as capture_mod
 from art_analysis import models
@@ -359,12 +359,37 @@ def test_load_names_a_damaged_or_mismatched_tensor_file(tmp_path):
     cap = KVCapture.load(tmp_path / "layer")
     cap.layer(0)
     with pytest.raises(ValueError, match=r"layer_001.safetensors': k is torch.float32 of shape \(2, 1, 5, 8\), "
-                                         r"expected a floating tensor of shape \(2, 1, 8, 8\) \(or longer"):
+                                         r"expected a float32 tensor of shape \(2, 1, 8, 8\) \(or longer"):
         cap.layer(1)
     save_file({"k": torch.randn(2, 1, 8, 8), "decode_q": torch.randn(2, 3, 2, 8)},
               tmp_path / "layer" / capture_mod.layer_filename(1))
     with pytest.raises(ValueError, match="layer_001.safetensors' holds no 'v'"):
         cap.layer(1)
+    # stored in another dtype than the metadata says, or v's apart from k's
+    save_file({"k": torch.randn(2, 1, 8, 8), "v": torch.randn(2, 1, 8, 8).half(), "decode_q": torch.randn(2, 3, 2, 8)},
+              tmp_path / "layer" / capture_mod.layer_filename(1))
+    with pytest.raises(ValueError, match=r"v is torch.float16 of shape \(2, 1, 8, 8\), expected a float32 tensor"):
+        cap.layer(1)
+    # a prefill layer's queries: [B, Hq, C, D]
+    _rewrite_metadata(tmp_path / "layer", prefill_layers=[0])
+    with pytest.raises(ValueError, match="layer_000.safetensors' holds no 'prefill_q'"):
+        KVCapture.load(tmp_path / "layer").layer(0)
+    layer0 = tmp_path / "layer" / capture_mod.layer_filename(0)
+    save_file({**load_file(layer0), "prefill_q": torch.randn(2, 3, 5, 8)}, layer0)
+    with pytest.raises(ValueError, match=r"prefill_q is torch.float32 of shape \(2, 3, 5, 8\), expected a float32 "
+                                         r"tensor of shape \(2, 3, 6, 8\)"):
+        KVCapture.load(tmp_path / "layer").prefill_queries(0)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(prefill_layers=[2]), r"prefill_layers \[2\] must be among the layers \[0, 1\]"),
+    (dict(model={"name": "hand-made", "head_dim": 8, "num_layers": 1}), "layer 1 is past the model's 1 layers"),
+])
+def test_load_refuses_metadata_whose_layers_do_not_fit(tmp_path, changes, message):
+    _write_small_capture(tmp_path / "cap")
+    _rewrite_metadata(tmp_path / "cap", **changes)
+    with pytest.raises(ValueError, match=message):
+        KVCapture.load(tmp_path / "cap")
 
 
 def test_to_names_a_device_that_is_not_one(tmp_path):
@@ -380,8 +405,6 @@ def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
 
 
 def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path):
-    from safetensors.torch import load_file
-
     from art_analysis.analysis.inputs import decode_inputs
     from art_analysis.analysis.walk_persistence import decode_walks
     from art_analysis.blockwise import blockwise_attention

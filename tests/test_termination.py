@@ -294,8 +294,11 @@ def test_kernel_walk_steps_are_the_group_stop_plus_one_per_kv_head():
     result = stop(trace, ARTConfig(tau=1e-3, phi=1e-3, patience=3))
     assert result.stop_step.tolist() == [[3, 3, 5, 5]]
     assert kernel_walk_steps(result, 2).tolist() == [[4, 6]]
-    with pytest.raises(ValueError, match="divide"):
-        kernel_walk_steps(result, 3)
+    assert result.group_size == 2
+    # the query heads' count (or any other) is refused: the trace has 2 KV heads of 2 query heads
+    for wrong in (3, 4, 1):
+        with pytest.raises(ValueError, match="kv_heads must be the trace's 2 KV heads"):
+            kernel_walk_steps(result, wrong)
     per_head = stop(trace, ARTConfig(tau=1e-3, phi=1e-3, patience=3, group="head"))
     with pytest.raises(ValueError, match="group='all'"):
         kernel_walk_steps(per_head, 2)

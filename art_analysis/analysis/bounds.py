@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from ..blockwise import BlockTrace
-from ..checks import check_cache_seqlens, valid_token_mask
+from ..checks import check_cache_seqlens, check_float_tensor, check_kv_cache, valid_token_mask
 from ..policies.quest import block_score_bounds
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, stop
 from .inputs import decode_inputs
@@ -69,10 +69,21 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
         stop_step: ``[B, Hq]`` last visited step (e.g. ``stop(trace, rule).stop_step``).
         cache_seqlens: ``[B]`` as given to the simulator.
     """
+    check_float_tensor(q, "q", "[B, Hq, D]")
+    check_kv_cache(k, v)
     batch, kv_heads, seqlen, dim = k.shape
     group = trace.group_size
+    if tuple(q.shape) != tuple(trace.final_out.shape) or (batch, kv_heads * group, dim) != tuple(q.shape):
+        raise ValueError(f"q must be the trace's [B, Hq, D]={tuple(trace.final_out.shape)} and k, v its "
+                         f"[B, Hq / {group}, S, D], got q {tuple(q.shape)} and k, v {tuple(k.shape)}")
+    if not isinstance(stop_step, torch.Tensor) or stop_step.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"stop_step must be an int tensor [B, Hq] of steps, got "
+                        f"{stop_step.dtype if isinstance(stop_step, torch.Tensor) else type(stop_step).__name__}")
     if tuple(stop_step.shape) != tuple(trace.final_out.shape[:2]):
         raise ValueError(f"stop_step must be [B, Hq]={tuple(trace.final_out.shape[:2])}, got {tuple(stop_step.shape)}")
+    last_steps = (trace.block_ids >= 0).sum(-1).repeat_interleave(group, dim=1) - 1     # [B, Hq]
+    if bool(((stop_step < 0) | (stop_step > last_steps.to(stop_step.device))).any()):
+        raise ValueError("stop_step must lie within each head's walk: steps 0 to its last step")
     seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     block_size = trace.block_size
     implied = (seqlens[:, None, None] - trace.block_ids.clamp(min=0) * block_size).clamp(0, block_size)
@@ -99,6 +110,10 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     v64 = torch.where(valid[..., None], v.double(), 0.0).repeat_interleave(group, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q.double(), k64) * trace.sm_scale
     scores = scores.masked_fill(~in_walk, float("-inf"))
+    walk_max = torch.gather(trace.running_max.double(), -1, last_steps[..., None].to(scores.device)).squeeze(-1)
+    if not torch.allclose(scores.amax(-1), walk_max, rtol=1e-3, atol=1e-3):
+        raise ValueError("q, k must be the inputs that produced the trace: their scaled scores' maximum over each "
+                         "walk differs from the trace's running maximum")
     weights = torch.softmax(scores, dim=-1)
     full = torch.einsum("bhs,bhsd->bhd", weights, v64)
     rho = (weights * unvisited).sum(-1)
