@@ -411,7 +411,7 @@ import torch
 import triton
 
 from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, HORIZON_CAP, art_decode_split_kernel
-from .art_params import ARTParams
+from .art_params import INT32_MAX, ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_choice, check_count
@@ -598,17 +598,18 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         raise ValueError(f"an ART walk is at most {MAX_ART_STEPS} blocks ({MAX_ART_STEPS * block_size} tokens at "
                          f"block_size={block_size}); max(cache_seqlens)={max_len} needs {max_steps}: use a larger "
                          "block_size or art=None")
+    # steps past any walk (MAX_ART_STEPS) mean nothing more; the bounds keep the kernel's int32 arguments in range
     if longest_stop_steps is not None:
-        check_count(longest_stop_steps, "longest_stop_steps", 1, unit="blocks")
+        check_count(longest_stop_steps, "longest_stop_steps", 1, MAX_ART_STEPS, unit="blocks")
     if follow_step is not None:
-        check_count(follow_step, "follow_step", 0, unit="blocks")
+        check_count(follow_step, "follow_step", 0, MAX_ART_STEPS, unit="blocks")
     if release_walks is not None:
-        check_count(release_walks, "release_walks", 0, unit="pairs")
+        check_count(release_walks, "release_walks", 0, INT32_MAX, unit="pairs")
         if art is None or pair_walks is not None:
             raise ValueError("release_walks releases the followers of monitored walks: it needs art and no "
                              "pair_walks")
     if release_step is not None:
-        check_count(release_step, "release_step", 0, unit="blocks")
+        check_count(release_step, "release_step", 0, MAX_ART_STEPS, unit="blocks")
         if release_walks is None:
             raise ValueError("release_step is the on-demand followers' (release_walks)")
     if walk_hint is not None:
@@ -681,7 +682,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                return_stats: bool = False, return_result_steps: bool = False):
     """Decode attention with optional ART termination: the walk that :func:`plan_decode` resolves from the same
     arguments, in one launch.  The cache's values are not checked (that would read all of it): a NaN among the
-    scores or values a pair walks makes its query heads' outputs and ``lse`` NaN, as dense attention does.
+    scores or values a pair walks makes its query heads' outputs and ``lse`` NaN, as dense attention does, and so
+    does a block whose scores are all ``-inf`` (an infinite key; its running maximum stays ``-inf``), where dense
+    attention over the other blocks would not.
 
     Args:
         q: ``[B, Hq, D]`` one query per sequence (fp16, bf16 or fp32), ``D`` in ``HEAD_DIMS``.
@@ -965,10 +968,12 @@ def _launch_config(device: torch.device, block_size: int, head_dim: int, program
 def _direction_build(monitor: ARTParams) -> int:
     """The monitor's direction-test build (``USE_DIRECTION``): the guards of a zero probe (``1 - cos = 1``, stable
     only where ``phi > 1``) and of ``phi = 0`` (a rounding below zero must not pass) are compiled in only for a
-    ``phi`` outside ``(0, 1]``, where they can change a step; within it they hold and cost latency."""
+    ``phi`` outside ``(0, 1]``, where they can change a step; within it they hold and cost latency.  The kernel
+    reads ``phi`` in fp32, so the choice is made on that value (a ``phi`` below fp32's smallest subnormal is 0)."""
     if not monitor.use_direction:
         return DIRECTION_OFF.value
-    return (DIRECTION_ON if 0.0 < monitor.phi <= 1.0 else DIRECTION_GUARDED).value
+    phi = torch.tensor(monitor.phi, dtype=torch.float32).item()
+    return (DIRECTION_ON if 0.0 < phi <= 1.0 else DIRECTION_GUARDED).value
 
 
 def _check_tensors(q, k_cache, v_cache, block_table):

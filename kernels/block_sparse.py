@@ -131,12 +131,15 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             whose list is empty, whose output is 0).
         config: tile override (see :func:`default_config`).
     Returns:
-        ``out [B, Hq, N, D]`` in q's dtype, and ``lse`` on request.
+        ``out [B, Hq, N, D]`` in q's dtype, and ``lse`` on request.  The values are not checked: a NaN among the
+        scores or values a row reads makes it NaN, and so does a kept tile whose scores are all ``-inf``.
     """
     _check_kernel_inputs(q, k, v, block_size, causal)
     check_block_mask(block_mask, q, block_size)
     b, hq, n, d = q.shape
     scale = softmax_scale(sm_scale, d)
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig (or None for default_config), got {type(config).__name__}")
     cfg = config or default_config(d, block_size)
     if block_size % cfg.block_m or block_size % cfg.block_n:
         raise ValueError(f"config tiles {cfg.block_m}x{cfg.block_n} must divide block_size {block_size}")

@@ -33,12 +33,32 @@ import torch
 class PairWalks:
     """``walks [B, Hkv]`` (int32, on the call's device): the blocks each ``(b, kv_head)``'s monitored walk is
     expected to load; ``sorted_walks``: the same values on the host, ascending; ``launch_order [B * Hkv]`` (int32,
-    on the device): the pairs (``b * Hkv + kv_head``) by expected walk, longest first, equal walks in pair order."""
+    on the device): the pairs (``b * Hkv + kv_head``) by expected walk, longest first, equal walks in pair order.
+
+    The kernel reads both tensors as they are, so they are checked here: contiguous int32 on one device, the
+    walks ``[B, Hkv]`` with ``B * Hkv`` host values, the order ``[B * Hkv]``, and on the CPU a permutation of the
+    pairs.  On a CUDA device that last check would wait for the device; there an order is taken as given
+    (:meth:`from_walks` and :class:`kernels.walk_hint.LongestWalkHint` make it with :func:`longest_first`)."""
 
     walks: torch.Tensor
     sorted_walks: tuple[int, ...]
     launch_order: torch.Tensor
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, t, dims in (("walks", self.walks, 2), ("launch_order", self.launch_order, 1)):
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == dims and t.is_contiguous()):
+                described = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"PairWalks.{name} must be a contiguous {dims}-D int32 tensor, got {described}")
+        pairs = self.walks.numel()
+        if self.launch_order.device != self.walks.device or self.launch_order.numel() != pairs \
+                or len(self.sorted_walks) != pairs:
+            raise ValueError(f"PairWalks needs a launch order of the walks' {pairs} pairs on their device "
+                             f"{self.walks.device} and as many host walks, got an order of "
+                             f"{self.launch_order.numel()} on {self.launch_order.device} and {len(self.sorted_walks)}")
+        if self.launch_order.device.type == "cpu" and not torch.equal(
+                torch.sort(self.launch_order).values, torch.arange(pairs, dtype=torch.int32)):
+            raise ValueError(f"PairWalks.launch_order must be a permutation of the pairs 0 .. {pairs - 1}")
 
     def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """``compute()``, evaluated once per ``key`` for these walks (the launcher's plans from them, which a decode

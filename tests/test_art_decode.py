@@ -917,8 +917,8 @@ def test_zero_thresholds_of_the_direction_test_alone_are_bit_identical_to_dense(
 def test_the_direction_test_guards_are_built_in_only_for_phi_outside_zero_to_one():
     from kernels.art_params import ARTParams
 
-    builds = {phi: art_decode_module._direction_build(ARTParams(phi=phi)) for phi in (0.0, 1e-6, 1.0, 1.5)}
-    assert builds == {0.0: 2, 1e-6: 1, 1.0: 1, 1.5: 2}
+    builds = {phi: art_decode_module._direction_build(ARTParams(phi=phi)) for phi in (0.0, 1e-46, 1e-6, 1.0, 1.5)}
+    assert builds == {0.0: 2, 1e-46: 2, 1e-6: 1, 1.0: 1, 1.5: 2}     # 1e-46 is 0 in fp32, as the kernel reads it
     assert art_decode_module._direction_build(ARTParams(use_direction=False)) == 0
     assert art_decode_module._direction_build(art_decode_module.ARTParams()) == art_decode_kernel.DIRECTION_ON.value
 

@@ -6,6 +6,7 @@ import torch
 
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode
+from kernels.art_params import ARTParams
 
 
 def _inputs(batch=2, q_heads=4, kv_heads=2, seqlen=64, dim=64, dtype=torch.float16):
@@ -43,13 +44,17 @@ CASES = {
     "num_splits": (lambda q, k, v: ((q, k, v), {"num_splits": 0}), ValueError, "num_splits must be an int"),
     "sm_scale": (lambda q, k, v: ((q, k, v), {"sm_scale": -1.0}), ValueError, "sm_scale must be a positive"),
     "longest stop zero": (lambda q, k, v: ((q, k, v), {"longest_stop_steps": 0}), ValueError,
-                          "longest_stop_steps must be a positive int"),
+                          r"longest_stop_steps must be an int in \[1, 1048576\] \(blocks\)"),
     "longest stop float": (lambda q, k, v: ((q, k, v), {"longest_stop_steps": 40.0}), ValueError,
-                           "longest_stop_steps must be a positive int"),
+                           r"longest_stop_steps must be an int in \[1, 1048576\] \(blocks\)"),
     "follow step negative": (lambda q, k, v: ((q, k, v), {"follow_step": -1}), ValueError,
-                             "follow_step must be an int >= 0"),
+                             r"follow_step must be an int in \[0, 1048576\] \(blocks\)"),
     "follow step bool": (lambda q, k, v: ((q, k, v), {"follow_step": True}), ValueError,
-                         "follow_step must be an int >= 0"),
+                         r"follow_step must be an int in \[0, 1048576\] \(blocks\)"),
+    "follow step past any walk": (lambda q, k, v: ((q, k, v), {"follow_step": 2 ** 62}), ValueError,
+                                  r"follow_step must be an int in \[0, 1048576\]"),
+    "release walks past int32": (lambda q, k, v: ((q, k, v), {"art": ARTParams(), "release_walks": 2 ** 64}),
+                                 ValueError, r"release_walks must be an int in \[0, 2147483647\] \(pairs\)"),
     "walk hint type": (lambda q, k, v: ((q, k, v), {"walk_hint": 40}), TypeError, "walk_hint must be a"),
     "art config type": (lambda q, k, v: ((q, k, v), {"art": ARTConfig()}), TypeError, "kernel_params"),
     "seqlens float": (lambda q, k, v: ((q, k, v), {"cache_seqlens": torch.tensor([3.0, 4.0])}), TypeError,

@@ -265,6 +265,7 @@ def test_flexprefill_attention_chains_estimation_and_kernel():
     (dict(block_size=32.0), ValueError, r"block_size must be one of \(16, 32, 64, 128, 256\), got 32.0"),
     (dict(sm_scale=-0.125), ValueError, "sm_scale must be a positive finite number"),
     (dict(config=(0, 32, 4, 1)), ValueError, "KernelConfig.block_m must be a power of two, got 0"),
+    (dict(raw_config=(16, 16, 4, 1)), TypeError, "config must be a KernelConfig .*got tuple"),
 ])
 def test_kernel_rejects_bad_input(change, error, match):
     d = change.get("d", 64)
@@ -274,7 +275,7 @@ def test_kernel_rejects_bad_input(change, error, match):
     nb = change.get("mask_blocks", 4)
     mask = torch.ones(1, 2, nb, nb, dtype=torch.bool)
     with pytest.raises(error, match=match):
-        config = KernelConfig(*change["config"]) if "config" in change else None
+        config = KernelConfig(*change["config"]) if "config" in change else change.get("raw_config")
         block_sparse_attention(q, k, k, mask, block_size=change.get("block_size", 32),
                                causal=change.get("causal", True), sm_scale=change.get("sm_scale"), config=config)
 

@@ -216,3 +216,21 @@ def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_o
     lopsided = walks.repeat(64, 1)
     lopsided[:4] = 128
     assert "release_walks" in hint_plan(PairWalks.from_walks(lopsided), 128, 128, cpu, ART)
+
+
+def test_pair_walks_refuse_tensors_the_kernel_would_misread():
+    walks = torch.tensor([[3, 9], [5, 1]], dtype=torch.int32)
+    host = walks.to(torch.int64)
+    assert PairWalks.of(walks, host).launch_order.tolist() == [1, 2, 0, 3]
+    for order, message in (
+            (torch.tensor([1, 2, 0], dtype=torch.int32), "a launch order of the walks' 4 pairs"),
+            (torch.tensor([1, 2, 0, 3], dtype=torch.int64), "launch_order must be a contiguous 1-D int32 tensor"),
+            (torch.tensor([1, 2, 0, 7], dtype=torch.int32), "must be a permutation of the pairs 0 .. 3"),
+            (torch.tensor([0, 0, 1, 2], dtype=torch.int32), "must be a permutation of the pairs 0 .. 3"),
+            (torch.arange(8, dtype=torch.int32)[::2], "launch_order must be a contiguous 1-D int32 tensor")):
+        with pytest.raises(ValueError, match=message):
+            PairWalks.of(walks, host, order)
+    with pytest.raises(ValueError, match="walks must be a contiguous 2-D int32 tensor"):
+        PairWalks.of(walks.t(), host)
+    with pytest.raises(ValueError, match="as many host walks"):
+        PairWalks.of(walks, host[:1])
