@@ -28,7 +28,7 @@ def _bench_rows():
 
 def test_flexprefill_command_writes_table_figures_and_json(tmp_path, capsys):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"rows": _bench_rows()}))
+    bench.write_text(json.dumps({"suite": "flexprefill", "rows": _bench_rows()}))
     rows_json = tmp_path / "rows.json"
     exported = tmp_path / "prefill.safetensors"
     code = main(["flexprefill", "--heads", "4/2", "--seqlen", "256", "--head-dim", "64", "--block-size", "32",
@@ -64,3 +64,53 @@ def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):
         assert main(["flexprefill", *[x for pair in arguments.items() for x in pair], "--block-size", "32",
                      "--out", str(tmp_path)]) == 2
         assert message in capsys.readouterr().err
+
+
+SMALL_RUN = ["flexprefill", "--heads", "2/1", "--seqlen", "128", "--block-size", "32", "--gammas", "0.9"]
+
+
+def test_flexprefill_command_checks_the_export_path_before_any_work(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    for path, message in ((tmp_path, "is a folder; give a file name"),
+                          (tmp_path / "taken" / "prefill.safetensors", "exists and is not a folder")):
+        assert main([*SMALL_RUN, "--out", str(tmp_path / "figs"), "--json", str(tmp_path / "rows.json"),
+                     "--export-prefill", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--export-prefill '{path}" in err and message in err
+    assert not any((tmp_path / "figs").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["figs", "taken"]
+
+
+def test_a_failed_export_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from art_analysis.cli import flexprefill
+
+    def failing(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(flexprefill.os, "replace", failing)
+    with pytest.raises(OSError, match="disk full"):
+        flexprefill._export(tmp_path / "prefill.safetensors", {"q0": torch.zeros(1, 1, 4, 8)})
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"suite": "decode", "rows": [{"impl": "art", "data": "synthetic", "batch": 1, "seqlen": 4096, "ms": 0.1}]},
+     "is a result of the suite 'decode', not 'flexprefill'"),
+    ({"rows": _bench_rows()}, "lacks suite"),
+    ({"suite": "flexprefill", "rows": [{k: v for k, v in row.items() if k != "gamma"} for row in _bench_rows()]},
+     "rows[1] lacks gamma"),
+    ({"suite": "flexprefill", "rows": [{"data": "structured", "seqlen": 1024, "ms": 1.0}]}, "rows[0] lacks method"),
+])
+def test_flexprefill_command_names_a_benchmark_json_it_cannot_draw_before_any_work(payload, message, tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(payload))
+    assert main([*SMALL_RUN, "--bench-json", str(bench), "--out", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err
+    assert f"stored flexprefill result {bench}" in err and message in err
+    assert not any((tmp_path / "figs").iterdir())
+
+
+@pytest.mark.parametrize("layers", [",", ""])
+def test_flexprefill_command_refuses_an_empty_layer_list(layers, capsys):
+    with pytest.raises(SystemExit):
+        main(["flexprefill", "--layers", layers])
+    assert f"argument --layers: expected at least one integer, got {layers!r}" in capsys.readouterr().err

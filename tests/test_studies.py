@@ -331,7 +331,8 @@ FIGURES = ("convergence", "recent_window", "misalignment", "misalignment_rates",
 
 
 def test_figures_command_writes_every_figure_and_table(tmp_path, capsys):
-    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(tmp_path / "none"),
+    (tmp_path / "no-results").mkdir()
+    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(tmp_path / "no-results"),
                  "--out", str(tmp_path)]) == 0
     for name in FIGURES:
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
@@ -358,6 +359,95 @@ def test_figures_command_names_a_damaged_benchmark_result_before_writing_anythin
     assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
                  "--out", str(out)]) == 2
     assert "2026-12-02-art-decode.json lacks rows" in capsys.readouterr().err
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the work started before the inputs were checked")
+
+
+DECODE_ROW = {"impl": "art", "data": "synthetic", "batch": 1, "seqlen": 4096, "ms": 0.1, "tb_per_s": 1.0,
+              "loaded_fraction": 0.5}
+DECODE_RESULT = {"suite": "decode", "device": "GPU", "date": "2026-12-05", "copy_ceiling_tb_per_s": 3.0,
+                 "rows": [DECODE_ROW]}
+
+
+@pytest.mark.parametrize("kind, payload, message", [
+    ("art-decode", {"rows": [{"foo": 1}]}, "lacks copy_ceiling_tb_per_s, device, date, suite"),
+    ("art-decode", {**DECODE_RESULT, "suite": "flexprefill"}, "is a result of the suite 'flexprefill', not 'decode'"),
+    ("art-decode", {**DECODE_RESULT, "rows": [{**DECODE_ROW, "impl": "art_dense"}, {"impl": "art", "ms": 0.1}]},
+     ": rows[1] lacks data, batch, seqlen, tb_per_s"),
+    ("art-decode", {**DECODE_RESULT, "rows": [{k: v for k, v in DECODE_ROW.items() if k != "loaded_fraction"}]},
+     ": rows[0] lacks loaded_fraction"),
+    ("art-decode", {**DECODE_RESULT, "paged": [{"impl": "art", "page_size": 64, "over_contiguous": 1.1}]},
+     ": paged[0] lacks batch, seqlen"),
+    ("art-decode-loop", {"suite": "decode-loop", "loops": [{"seqlen": 8192, "rows": [{"impl": "art", "ms": 0.1}]}]},
+     ": loops[0].rows[0] lacks step"),
+    ("art-decode-walk-persistence", {"walks": [], "summary": {"rank_correlation": 0.5}},
+     ": summary lacks split_choice_agreement"),
+    ("flexprefill", {"suite": "flexprefill", "rows": [{"method": "sdpa", "data": "structured", "seqlen": 1024}]},
+     ": rows[0] lacks ms"),
+])
+def test_benchmark_results_are_checked_for_every_entry_their_figures_read(kind, payload, message, tmp_path,
+                                                                          monkeypatch, capsys):
+    from art_analysis.cli import figures
+    from art_analysis.cli.figures import read_benchmark_results
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / f"2099-01-01-{kind}.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=f"stored {kind} result .*2099-01-01-{kind}.json"):
+        read_benchmark_results(results)
+    monkeypatch.setattr(figures, "synthetic_cache", _no_work)
+    out = tmp_path / "out"
+    assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
+                 "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not any(out.iterdir())
+
+
+def test_an_incomplete_benchmark_result_is_named_in_a_note(tmp_path, capsys):
+    from art_analysis.cli.figures import read_benchmark_results
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "2099-01-01-art-decode.json").write_text(json.dumps({**DECODE_RESULT, "complete": False}))
+    assert read_benchmark_results(results)["art-decode"]["complete"] is False
+    assert f"note: {results / '2099-01-01-art-decode.json'} is an incomplete run" in capsys.readouterr().out
+
+
+def test_a_benchmarks_folder_that_is_not_one_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    from art_analysis.cli import figures, reproduce
+    from art_analysis.cli.report import _gpu_section
+    from kernels.results_io import RESULTS_DIR
+
+    monkeypatch.setattr(figures, "synthetic_cache", _no_work)
+    monkeypatch.setattr(reproduce, "synthetic_cache", _no_work)
+    (tmp_path / "file").write_text("")
+    for benchmarks in (tmp_path / "typo", tmp_path / "file"):
+        for command in (["figures", "--synthetic", "realistic"], ["reproduce", "--synthetic-only"]):
+            assert main([*command, "--quick", "--benchmarks", str(benchmarks), "--out", str(tmp_path / "out")]) == 2
+            assert f"error: --benchmarks '{benchmarks}' is not a folder" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)                       # outside a checkout the default folder is missing: no figures
+    assert figures.read_benchmark_results(RESULTS_DIR) == {}
+    lines = "\n".join(_gpu_section({"flexprefill": [], "benchmarks": {}}))
+    assert "No GPU results in the `--benchmarks` folder" in lines and "benchmarks/results" not in lines
+
+
+def test_studies_refuse_inputs_too_short_for_the_policy_study_before_any_work(monkeypatch):
+    from art_analysis.analysis.composition import DEFAULT_POLICIES
+    from art_analysis.cli import figures
+
+    def inputs(seqlen):
+        gen = torch.Generator().manual_seed(0)
+        return [DecodeInput(torch.randn(1, 4, 8, generator=gen), torch.randn(1, 2, seqlen, 8, generator=gen),
+                            torch.randn(1, 2, seqlen, 8, generator=gen), torch.tensor([seqlen]),
+                            torch.randn(1, 4, 2, 8, generator=gen), layer, 2) for layer in (0, 1)]
+
+    monkeypatch.setattr(figures, "tqdm", _no_work)
+    with pytest.raises(ValueError, match=r"short holds 159 cached tokens at decode step -1; the study of the "
+                                         r"built-in KV-selection policies needs at least 160 "):
+        figures.run_studies(inputs(159), "short")
+    assert len(compose_with_art(inputs(160))) == len(DEFAULT_POLICIES)      # the minimum is exact
 
 
 @pytest.mark.parametrize("argv, message", [

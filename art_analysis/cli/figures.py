@@ -10,17 +10,19 @@ newest GPU benchmark JSON in ``--benchmarks`` when there is one.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 from tqdm import tqdm
 
-from kernels.results_io import latest_result, read_result, write_json_atomic
+from kernels.results_io import RESULTS_DIR, latest_result, read_result, write_json_atomic
 
 from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS, ablation_table
 from ..analysis.bounds import BOUND_COLUMNS, BOUND_FORMATS, bound_rules, bound_summary, bound_table
-from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, compose_with_art
+from ..analysis.composition import COMPOSITION_COLUMNS, COMPOSITION_FORMATS, DEFAULT_POLICIES, compose_with_art
 from ..analysis.convergence import convergence_curves, recent_window_curves
 from ..analysis.inputs import decode_inputs
 from ..analysis.misalignment import misaligned_tokens, misalignment_rates
@@ -32,6 +34,7 @@ from ..plots.composition import plot_composition
 from ..plots.convergence import plot_convergence, plot_recent_window
 from ..plots.misalignment import plot_misalignment_rates, plot_score_vs_contribution
 from ..plots.sensitivity import plot_false_stops, plot_pareto, plot_patience_curves, plot_threshold_heatmaps
+from ..policies import parse_spec
 from ..rules_summary import RULE_COLUMNS, SUMMARY_FORMATS, standard_rules, summarize
 from ..synthetic import PRESETS, synthetic_cache
 from ..table import format_table
@@ -69,16 +72,29 @@ class CaptureStudies:
         return out
 
 
+def policy_study_min_tokens() -> int:
+    """The fewest cached tokens the study of ``DEFAULT_POLICIES`` runs on: a policy keeping an observation window
+    within a fractional budget (SnapKV, PyramidKV) needs ``floor(budget * tokens) >= window``."""
+    return max((math.ceil(policy.window / policy.budget - 1e-9) for policy in map(parse_spec, DEFAULT_POLICIES)
+                if hasattr(policy, "window") and isinstance(policy.budget, float)), default=1)
+
+
 def run_studies(source, name: str, *, art: ARTConfig | None = None, block_size: int = 64, step: int = -1,
                 quick: bool = False, error_bound: float = ERROR_BOUND) -> CaptureStudies:
     """Run every capture study on ``source`` (a capture, a synthetic cache or decode inputs).
 
     ``art`` (default ``ARTConfig()``) is the rule of the ablation, bounds and policy studies;
     the sensitivity grid (smaller with ``quick``) also picks the setting with the smallest loaded
-    fraction whose 99th-percentile error stays within ``error_bound`` (``chosen``).
+    fraction whose 99th-percentile error stays within ``error_bound`` (``chosen``).  Inputs shorter than the policy
+    study needs (:func:`policy_study_min_tokens`) are refused before any study runs.
     """
     art = art or ARTConfig()
     calls = decode_inputs(source, step)
+    shortest, needed = min(int(call.cache_seqlens.min()) for call in calls), policy_study_min_tokens()
+    if shortest < needed:
+        raise ValueError(f"{name} holds {shortest} cached tokens at decode step {step}; the study of the built-in "
+                         f"KV-selection policies needs at least {needed} (SnapKV and PyramidKV keep their "
+                         "observation window within a budget of a fraction of the tokens)")
     taus, phis, patiences = QUICK_GRID if quick else (TAUS, PHIS, PATIENCES)
     progress = tqdm(total=8, desc=f"studies ({name})", leave=False)
 
@@ -131,21 +147,92 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
     )
 
 
-# the stored results the benchmark figures are drawn from, and the entries each figure reads
-BENCHMARK_FIGURE_INPUTS = {"art-decode": ("rows",), "art-decode-loop": ("loops",),
-                           "art-decode-walk-persistence": ("walks", "summary"), "flexprefill": ("rows",)}
+@dataclass(frozen=True)
+class Reads:
+    """What a figure reads of a JSON object, or of each object of a JSON list that passes ``only`` (default: every
+    one): the entries ``keys``, and for each ``(entry, reads)`` of ``inner`` what it reads of that entry's value where
+    the entry is there."""
+
+    keys: tuple[str, ...] = ()
+    inner: tuple[tuple[str, Reads], ...] = ()
+    only: Callable[[dict], bool] | None = None
+
+
+def _timed(row: dict) -> bool:
+    return "ms" in row
+
+
+def _lacking(value, reads: Reads, where: str) -> str | None:
+    """Where ``value`` (an object, or a list of objects; found at ``where``) lacks what ``reads`` names, and what it
+    lacks; ``None`` where it lacks nothing."""
+    for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+        at = where if i is None else f"{where}[{i}]"
+        if not isinstance(item, dict):
+            return f"{at} is not an object"
+        if reads.only is not None and not reads.only(item):
+            continue
+        missing = [key for key in reads.keys if key not in item]
+        if missing:
+            return f"{at} lacks {', '.join(missing)}"
+        for key, inner in reads.inner:
+            if key in item and (gap := _lacking(item[key], inner, f"{at}.{key}" if at else key)):
+                return gap
+    return None
+
+
+# the stored results the benchmark figures are drawn from: the suite each is written as (None: one without a suite)
+# and what its figure reads (art_analysis.plots: kernel_speed, decode_loop, walk_persistence, flexprefill)
+BENCHMARK_FIGURE_INPUTS = {
+    "art-decode": ("decode", Reads(("rows", "copy_ceiling_tb_per_s", "device", "date"), inner=(
+        ("rows", Reads(("impl", "data", "batch", "seqlen", "tb_per_s"), only=_timed)),
+        ("rows", Reads(("loaded_fraction",), only=lambda row: _timed(row) and row.get("impl") == "art")),
+        ("dense_batches", Reads(("impl",))),
+        ("dense_batches", Reads(("batch", "seqlen"), only=lambda row: "speedup_vs_best_peer" in row)),
+        ("paged", Reads(("impl", "batch", "seqlen"),
+                        only=lambda row: bool(row.get("page_size")) and "over_contiguous" in row)),
+    ))),
+    "art-decode-loop": ("decode-loop", Reads(("loops",), inner=(
+        ("loops", Reads(("seqlen", "rows"), inner=(("rows", Reads(("impl", "step"))),))),))),
+    "art-decode-walk-persistence": (None, Reads(("walks", "summary"), inner=(
+        ("summary", Reads(("rank_correlation", "split_choice_agreement"))),))),
+    "flexprefill": ("flexprefill", Reads(("rows",), inner=(
+        ("rows", Reads(("method",))),
+        ("rows", Reads(("data", "seqlen", "ms"), only=lambda row: row.get("method") in ("flexprefill", "sdpa"))),
+        ("rows", Reads(("gamma",), only=lambda row: row.get("method") == "flexprefill")),
+    ))),
+}
+
+
+def read_benchmark_result(path: Path, kind: str) -> dict:
+    """The stored result of ``kind`` (a kind of ``BENCHMARK_FIGURE_INPUTS``) at ``path``, checked to be a JSON object
+    of its suite holding every entry its figure reads; ``ValueError`` naming the file and what is wrong otherwise.  A
+    run marked ``"complete": false`` is returned with a note: its figure shows only what it measured."""
+    suite, reads = BENCHMARK_FIGURE_INPUTS[kind]
+    what = f"stored {kind} result"
+    payload = read_result(path, reads.keys + (() if suite is None else ("suite",)), what=what)
+    if suite is not None and payload["suite"] != suite:
+        raise ValueError(f"{what} {path} is a result of the suite {payload['suite']!r}, not {suite!r}")
+    gap = _lacking(payload, reads, "")
+    if gap is not None:
+        raise ValueError(f"{what} {path}: {gap}")
+    if payload.get("complete") is False:
+        print(f"note: {path} is an incomplete run (\"complete\": false); its figure shows only what it measured")
+    return payload
 
 
 def read_benchmark_results(benchmarks: Path) -> dict[str, dict]:
     """The newest stored result of each kind of ``BENCHMARK_FIGURE_INPUTS`` in ``benchmarks`` (GPU results, and the
-    analysis of a captured decode loop written by ``python -m art_analysis.analysis.walk_persistence``), each checked
-    to be a JSON object with the entries its figure reads; kinds the folder holds no result of are left out.  Read
-    before a long run, so that a damaged file is named before anything is written."""
+    analysis of a captured decode loop written by ``python -m art_analysis.analysis.walk_persistence``), each read by
+    :func:`read_benchmark_result`; kinds the folder holds no result of are left out.  ``benchmarks`` must be a folder,
+    but the default ``benchmarks/results`` may be missing (a run outside a checkout).  Read before a long run, so
+    that a damaged file is named before anything is written."""
+    if not benchmarks.is_dir() and (benchmarks.exists() or benchmarks != RESULTS_DIR):
+        raise ValueError(f"--benchmarks {str(benchmarks)!r} is not a folder")
     results = {}
-    for kind, required in BENCHMARK_FIGURE_INPUTS.items():
+    for kind in BENCHMARK_FIGURE_INPUTS:
         path = latest_result(kind, benchmarks)
         if path is not None:
-            results[kind] = read_result(path, required, what=f"stored {kind} result")
+            results[kind] = read_benchmark_result(path, kind)
     return results
 
 
@@ -197,7 +284,7 @@ def register(subparsers) -> None:
     parser.add_argument("--step", type=int, default=-1, help="decode step of the capture (default: the last)")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="a smaller threshold grid")
-    parser.add_argument("--benchmarks", type=Path, default=Path("benchmarks/results"),
+    parser.add_argument("--benchmarks", type=Path, default=RESULTS_DIR,
                         help="GPU benchmark JSON folder for the kernel figures")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default figures/<capture or synthetic name>)")

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from kernels.results_io import latest_result, read_result, write_json_atomic
+from kernels.results_io import latest_result, write_json_atomic
 
 from ..flexprefill import QUERY_AWARE, gamma_sweep
 from ..table import format_table
+from .figures import read_benchmark_result
 from .head_counts import parse_head_counts
 from .output_paths import check_output_file, check_output_folder
 
@@ -33,9 +34,12 @@ def _float_list(text: str) -> list[float]:
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
 
 
 def register(subparsers) -> None:
@@ -71,10 +75,13 @@ def register(subparsers) -> None:
 def _export(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file({name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _inputs(args):
@@ -111,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_folder(args.out, "--out")
     check_output_file(args.json, "--json")
+    check_output_file(args.export_prefill, "--export-prefill")
     bench = args.bench_json or latest_result("flexprefill")
-    bench_rows = None if bench is None else read_result(bench, ("rows",), what="FlexPrefill benchmark JSON")["rows"]
+    bench_rows = None if bench is None else read_benchmark_result(bench, "flexprefill")["rows"]
     quirks = {"budget_divisor": args.budget_divisor, "union_vs_for_query_aware": args.union_vs_for_query_aware}
     if args.no_js_eps:
         quirks["js_eps"] = None

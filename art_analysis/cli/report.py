@@ -201,7 +201,7 @@ def _gpu_section(results: dict) -> list[str]:
         "",
     ]
     if not results["benchmarks"]:
-        return lines + ["No GPU results in `benchmarks/results`; `kernel_speed.png`, `decode_loop.png` and the "
+        return lines + ["No GPU results in the `--benchmarks` folder; `kernel_speed.png`, `decode_loop.png` and the "
                         "FlexPrefill latency figure are drawn once `art-analysis bench` / `scripts/gpu_*.sh` "
                         "results are committed.", ""]
     for kind, entry in results["benchmarks"].items():
