@@ -274,7 +274,10 @@ class KVCapture:
         num_layers)``, where ``queries`` are the decode queries up to `step` (an observation window
         for query-aware policies), ``layer`` is the model's layer index and ``num_layers`` the
         model's layer count (also for a capture sliced to fewer layers)."""
-        if isinstance(step, int) and not isinstance(step, bool) and -self.decode_steps <= step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or not -self.decode_steps <= step < self.decode_steps:
+            raise ValueError(f"step must be an int in [{-self.decode_steps}, {self.decode_steps}) (negative counts "
+                             f"from the end), got {step!r}")
+        if step < 0:
             step += self.decode_steps
         num_layers = int(self._metadata["model"]["num_layers"])
         inputs = []

@@ -318,6 +318,12 @@ def test_a_hand_made_capture_folder_loads(tmp_path):
     q, k, v = cap.layer(1)
     assert (q.shape, k.shape, v.shape) == ((2, 3, 2, 8), (2, 1, 8, 8), (2, 1, 8, 8))
     assert cap.cache_seqlens_for_step(1).tolist() == [8, 8]
+    # decode steps for the studies: 0 and 1, or -2 and -1 from the end; the message states both
+    assert [calls[0][3].tolist() for calls in map(cap.policy_inputs, (0, -1))] == [[7, 7], [8, 8]]
+    for step in (-3, 2, 1.0):
+        with pytest.raises(ValueError, match=rf"step must be an int in \[-2, 2\) \(negative counts from the end\), "
+                                             rf"got {step}"):
+            cap.policy_inputs(step)
 
 
 @pytest.mark.parametrize("changes, message", [
