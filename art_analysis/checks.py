@@ -1,18 +1,21 @@
 """Input checks shared by the public entry points (simulator, policies, analyses)."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from kernels.int_checks import is_finite_real
 
 
 def check_int(value, name: str, minimum: int) -> int:
-    """``value`` must be an ``int`` (not a ``bool``) ``>= minimum``; returns it."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """``value`` must be an integer (an ``int`` or a NumPy integer of a sweep, not a ``bool``) ``>= minimum``;
+    returns it as an ``int``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def check_fraction(value, name: str) -> float:

@@ -90,8 +90,8 @@ class ARTConfig:
     def __post_init__(self) -> None:
         for name in ("tau", "phi"):
             object.__setattr__(self, name, check_threshold(getattr(self, name), name))
-        check_int(self.patience, "patience", 1)
-        check_int(self.min_steps, "min_steps", 0)
+        object.__setattr__(self, "patience", check_int(self.patience, "patience", 1))
+        object.__setattr__(self, "min_steps", check_int(self.min_steps, "min_steps", 0))
         if self.probe_source not in PROBE_SOURCES:
             raise ValueError(f"probe_source must be one of {PROBE_SOURCES}, got {self.probe_source!r}")
         if isinstance(self.probe_dims, torch.Tensor):
@@ -177,7 +177,7 @@ class FixedBudget:
     steps: int
 
     def __post_init__(self) -> None:
-        check_int(self.steps, "steps", 1)
+        object.__setattr__(self, "steps", check_int(self.steps, "steps", 1))
 
     @property
     def name(self) -> str:

@@ -1,4 +1,5 @@
 """Building policies by name or spec, and the errors bad input gets."""
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,15 @@ def test_budget_of_zero_or_below_or_a_bad_fraction(budget):
 def test_budget_of_the_wrong_type(budget):
     with pytest.raises(TypeError, match="budget must be an int"):
         policies.make("snapkv", budget=budget)
+
+
+@pytest.mark.parametrize("name", ["streaming", "snapkv", "pyramidkv", "h2o", "quest", "oracle_contribution"])
+def test_numpy_budgets_of_a_sweep_are_held_as_python_numbers(name):
+    tokens, fraction = (policies.make(name, budget=b).budget for b in (np.int64(16), np.float32(0.25)))
+    assert (tokens, fraction) == (16, 0.25) and type(tokens) is int and type(fraction) is float
+    assert policies.make(name, budget=np.int64(16)).spec == policies.make(name, budget=16).spec
+    with pytest.raises(ValueError, match="budget as a fraction must lie in"):
+        policies.make(name, budget=np.float64(1.5))
 
 
 @pytest.mark.parametrize("name", ["streaming", "snapkv", "h2o", "quest", "oracle_contribution"])

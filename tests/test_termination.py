@@ -272,6 +272,13 @@ def test_bad_baselines_and_rules():
             MassCoverage(bad)
     held = MassCoverage(np.float32(0.5)).gamma                       # a NumPy scalar of a sweep, held as a float
     assert held == 0.5 and type(held) is float
+    # NumPy integers of a sweep (np.arange, np.array) are held as ints; a bool or a float is still refused
+    swept = ARTConfig(patience=np.int64(4), min_steps=np.int32(2))
+    assert (swept.patience, swept.min_steps) == (4, 2) and type(swept.patience) is type(swept.min_steps) is int
+    assert swept.kernel_params().patience == 4 and type(FixedBudget(np.int64(3)).steps) is int
+    for bad in (True, 4.0, np.float64(4.0)):
+        with pytest.raises(TypeError, match="patience must be an int"):
+            ARTConfig(patience=bad)
     with pytest.raises(ValueError, match="steps"):
         FixedBudget(0)
     with pytest.raises(ValueError, match="eps"):

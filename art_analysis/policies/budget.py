@@ -15,6 +15,7 @@ newest (or oldest) ``ceil(w / block_size)`` blocks, and they count toward ``N_b`
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Union
 
 import torch
@@ -22,16 +23,19 @@ import torch
 Budget = Union[int, float]
 
 
-def check_budget(budget: Budget, name: str = "budget") -> None:
-    """Raise unless ``budget`` is an int ``>= 1`` (tokens) or a float in ``(0, 1]`` (fraction)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+def check_budget(budget: Budget, name: str = "budget") -> Budget:
+    """``budget`` as an ``int >= 1`` (tokens) or a ``float`` in ``(0, 1]`` (fraction), from an ``int`` or a
+    ``float`` or a NumPy scalar of either kind (not a ``bool``); else ``TypeError`` / ``ValueError``."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"{name} must be an int (tokens) or a float in (0, 1] (fraction), got {budget!r}")
-    if isinstance(budget, int):
+    if isinstance(budget, numbers.Integral):
         if budget < 1:
             raise ValueError(f"{name} must be >= 1 token, got {budget}")
-    elif not (math.isfinite(budget) and 0.0 < budget <= 1.0):
+        return int(budget)
+    if not (math.isfinite(budget) and 0.0 < budget <= 1.0):
         raise ValueError(f"{name} as a fraction must lie in (0, 1], got {budget!r}; "
                          "pass an int for a budget in tokens")
+    return float(budget)
 
 
 def budget_tokens(budget: Budget, seqlens: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class H2OPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))
         if isinstance(self.recent_fraction, bool) or not isinstance(self.recent_fraction, (int, float)) \
                 or not 0 <= self.recent_fraction <= 1:
             raise ValueError(f"recent_fraction must lie in [0, 1], got {self.recent_fraction!r}")

@@ -49,7 +49,7 @@ class OracleContributionPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)
 

@@ -95,7 +95,7 @@ class QuestPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))
         check_group_reduce(self.group_reduce)
         check_count(self.dense_layers, "dense_layers", 0)
 

@@ -71,7 +71,7 @@ class SnapKVPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))
         check_count(self.window, "window", 0)
         check_pooling(self.pooling, self.kernel_size)
         check_group_reduce(self.group_reduce)

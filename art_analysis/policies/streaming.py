@@ -32,7 +32,7 @@ class StreamingPolicy(SelectionPolicy):
     name = "streaming"
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))
         check_count(self.sink_tokens, "sink_tokens", 0)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
