@@ -27,6 +27,10 @@ def test_a_file_where_a_folder_must_be_is_refused(tmp_path):
         check_output_file(tmp_path, "--json")
     with pytest.raises(ValueError, match="--json '.*taken/rows.json': its folder '.*taken' exists and is not a folder"):
         check_output_file(tmp_path / "taken" / "rows.json", "--json")
+    # a path ending in .. names a folder, even where that does not exist yet: no folder is made for it
+    with pytest.raises(ValueError, match=r"--json '.*missing/\.\.' names no file"):
+        check_output_file(tmp_path / "missing" / "..", "--json")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_a_folder_without_write_permission_is_refused(tmp_path, monkeypatch):

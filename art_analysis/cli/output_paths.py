@@ -22,10 +22,13 @@ def check_output_folder(path: Path, option: str) -> Path:
 
 
 def check_output_file(path: Path | None, option: str) -> Path | None:
-    """``path`` (``None`` passes) must not be a folder, and its folder must pass :func:`check_output_folder`."""
+    """``path`` (``None`` passes) must name a file (not end in ``..``) that is not a folder, and its folder
+    must pass :func:`check_output_folder`."""
     if path is None:
         return None
     path = Path(path)
+    if path.name in ("", ".."):
+        raise ValueError(f"{option} {str(path)!r} names no file; give a file name")
     if path.is_dir():
         raise ValueError(f"{option} {str(path)!r} is a folder; give a file name")
     check_output_folder(path.parent, f"{option} {str(path)!r}: its folder")
