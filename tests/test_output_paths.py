@@ -64,3 +64,23 @@ def test_a_command_refuses_its_output_before_any_work(tmp_path, capsys, monkeypa
     assert "art-analysis figures: error: --out" in err and "cannot make the folder" in err
     assert "art-analysis simulate: error: --json" in err and "is a folder; give a file name" in err
     assert "art-analysis capture: error: --out" in err and "its parent" in err and "is not a folder" in err
+
+
+def test_a_command_that_runs_out_of_memory_says_so_and_other_errors_still_raise(capsys, monkeypatch):
+    import art_analysis.cli.simulate as simulate
+
+    def fail_with(exc):
+        def run(args):
+            raise exc
+        return run
+
+    monkeypatch.setattr(simulate, "run", fail_with(RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 40000000000000 bytes.")))
+    assert main(["simulate", "--synthetic", "realistic"]) == 2
+    assert "art-analysis simulate: error: out of memory (" in capsys.readouterr().err
+    monkeypatch.setattr(simulate, "run", fail_with(MemoryError()))
+    assert main(["simulate", "--synthetic", "realistic"]) == 2
+    monkeypatch.setattr(simulate, "run", fail_with(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["simulate", "--synthetic", "realistic"])

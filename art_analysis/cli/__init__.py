@@ -31,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"art-analysis {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        if not out_of_memory(exc):
+            raise
+        print(f"art-analysis {args.command}: error: out of memory ({exc}); choose smaller sizes", file=sys.stderr)
+        return 2
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed: a ``MemoryError``, or PyTorch's ``RuntimeError`` of a CPU allocation
+    (``DefaultCPUAllocator: can't allocate memory``) or its ``OutOfMemoryError`` of a device's."""
+    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc)
 
 
 if __name__ == "__main__":
