@@ -115,7 +115,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
             policy keeps; every ``(b, kv_head)`` must keep at least one block with valid tokens.
         sm_scale: softmax scale, default ``D ** -0.5``.
         mode: ``"exact"`` (float64) or ``"kernel"`` (float32 online recurrence).
-        block_scores: ``[B, Hkv, nb]`` scores for ``order="importance"``.
+        block_scores: ``[B, Hkv, nb]`` scores for ``order="importance"`` (only; another order refuses them).
 
     Returns:
         A :class:`BlockTrace`.
@@ -185,6 +185,8 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
         if tuple(selection.shape) != (batch, kv_heads, num_blocks):
             raise ValueError(f"selection must have shape {(batch, kv_heads, num_blocks)}, "
                              f"got {tuple(selection.shape)}")
+        if selection.device != k.device:
+            raise ValueError(f"selection must be on k's device {k.device}, got {selection.device}")
     check_finite_cache(k, v, seqlens)
     if not torch.isfinite(q).all():
         raise ValueError("q holds NaN or Inf")

@@ -44,9 +44,11 @@ def traversal_order(order: str | torch.Tensor, walkable: torch.Tensor,
     Args:
         order: one of :data:`ORDERS` or an explicit permutation (see the module docstring).
         walkable: ``BoolTensor [B, Hkv, nb]`` from :func:`walkable_blocks`.
-        block_scores: ``[B, Hkv, nb]`` float scores, required by ``"importance"``.
+        block_scores: ``[B, Hkv, nb]`` float scores, required by ``"importance"`` and refused by any other order.
     """
     batch, kv_heads, num_blocks = walkable.shape
+    if block_scores is not None and not (isinstance(order, str) and order == "importance"):
+        raise ValueError(f"block_scores order the walk only with order='importance'; got order {order!r}")
     if isinstance(order, torch.Tensor):
         return _explicit_order(order, walkable)
     if not isinstance(order, str) or order not in ORDERS:

@@ -26,14 +26,31 @@ def standard_rules(art: ARTConfig | None = None) -> list[Rule]:
     ]
 
 
+def check_traces(traces) -> list[BlockTrace]:
+    """``traces`` as a list: a non-empty sequence of :class:`~art_analysis.blockwise.BlockTrace` (e.g. one per
+    layer), or one trace; else ``TypeError`` / ``ValueError`` saying what was given."""
+    if isinstance(traces, BlockTrace):
+        return [traces]
+    if isinstance(traces, (str, bytes)) or not isinstance(traces, Sequence):
+        raise TypeError(f"traces must be a BlockTrace or a sequence of them, got {type(traces).__name__}")
+    if not traces:
+        raise ValueError("traces must hold at least one BlockTrace")
+    bad = [type(t).__name__ for t in traces if not isinstance(t, BlockTrace)]
+    if bad:
+        raise TypeError(f"traces must hold BlockTraces (blockwise_attention's), got {', '.join(sorted(set(bad)))}")
+    return list(traces)
+
+
 def summarize(traces: Sequence[BlockTrace], rules: Sequence[Rule], oracle_eps: float | None = None) -> list[dict]:
-    """Mean loaded fraction and relative error of every rule, pooled over all heads of all traces.
+    """Mean loaded fraction and relative error of every rule, pooled over all heads of all traces (a sequence of
+    :class:`~art_analysis.blockwise.BlockTrace`, or one).
 
     Returns one dict per rule with ``rule, loaded_fraction, rel_error_mean, rel_error_p99,
     rel_error_max, cos_error_mean``; with ``oracle_eps`` also ``false_stop_rate``: the share of
     query heads the rule stops before ``Oracle(oracle_eps)`` would (the error after its stop is not
     yet settled within ``oracle_eps``).
     """
+    traces = check_traces(traces)
     rules = list(rules)
     checked = rules + ([Oracle(oracle_eps)] if oracle_eps is not None else [])
     results = [sweep(trace, checked) for trace in traces]

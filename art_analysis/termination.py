@@ -264,7 +264,10 @@ def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule:
 
 
 def sweep(trace: BlockTrace, rules: Sequence[Rule]) -> SweepResult:
-    """Evaluate many rules over one trace (probe statistics are computed once per probe)."""
+    """Evaluate many rules (a sequence) over one trace (probe statistics are computed once per probe)."""
+    if not isinstance(rules, (list, tuple)):
+        raise TypeError(f"rules must be a list of rules, got {type(rules).__name__}; for one rule, use stop(trace, "
+                        "rule) or sweep(trace, [rule])")
     rules = list(rules)
     if not rules:
         raise ValueError("sweep needs at least one rule")

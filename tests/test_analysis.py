@@ -95,3 +95,33 @@ def test_analysis_inputs_are_checked():
         truncation_report(trace, cache.q, cache.k, cache.v, torch.zeros(1, 4, dtype=torch.long))
     report = truncation_report(trace, cache.q, cache.k, cache.v, torch.zeros(1, 4, dtype=torch.long), lens)
     assert torch.all(report.rho > 0)
+
+
+def test_summaries_name_a_wrong_collection_of_traces_or_rules():
+    from art_analysis.analysis.ablation import ablation_table
+    from art_analysis.analysis.bounds import bound_table
+    from art_analysis.analysis.sensitivity import pareto_front, threshold_grid
+    from art_analysis.rules_summary import summarize
+    from art_analysis.termination import Oracle, sweep
+
+    cache = synthetic_cache(1, 4, 2, 512, 16, seed=3)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=64)
+    rule = ARTConfig(tau=1e-3, phi=1e-4, patience=2)
+    # one trace is taken as a list of one
+    assert summarize(trace, [rule]) == summarize([trace], [rule])
+    with pytest.raises(ValueError, match="traces must hold at least one BlockTrace"):
+        summarize([], [rule])
+    with pytest.raises(TypeError, match="traces must hold BlockTraces .* got Tensor"):
+        summarize([trace, cache.q], [rule])
+    with pytest.raises(TypeError, match=r"for one rule, use stop\(trace, rule\) or sweep\(trace, \[rule\]\)"):
+        sweep(trace, rule)
+    with pytest.raises(TypeError, match="base must be an ARTConfig .* got Oracle"):
+        threshold_grid([trace], [1e-3], [1e-4], [2], base=Oracle(0.01))
+    with pytest.raises(TypeError, match="base must be an ARTConfig .* got Oracle"):
+        ablation_table([trace], base=Oracle(0.01))
+    with pytest.raises(TypeError, match="rules must map a name to each rule"):
+        bound_table(cache, [rule])
+    grid = threshold_grid([trace], [1e-3, 1e-2], [1e-4], [2])
+    with pytest.raises(ValueError, match=r"rows lack the column\(s\) \['family'\]: pass by=None"):
+        pareto_front(grid)
+    assert len(pareto_front(grid, by=None)) >= 1

@@ -31,6 +31,14 @@ def test_walk_order_over_the_kept_blocks():
         [[[0, 2], [1, 2]]]
     with pytest.raises(ValueError, match="order must be one of"):
         walk_order(selection, "importance", block_size=4)
+    for block_size in (-1, 0, 1.5):
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            walk_order(selection, "sequential", block_size=block_size)
+    # 6 blocks of 4 tokens hold 21 to 24 tokens
+    for seqlen in (20, 25, 24.0):
+        with pytest.raises(ValueError, match=r"seqlen must be an int in \(20, 24\]: the 6 blocks of 4 tokens"):
+            walk_order(selection, "sequential", block_size=4, seqlen=seqlen)
+    assert walk_order(selection, "sequential", block_size=4, seqlen=21).tolist() == [[[0, 2, 3, 5], [1, 2, 5, -1]]]
 
 
 @pytest.mark.parametrize("mode", ["exact", "kernel"])

@@ -22,6 +22,8 @@ def ablation_variants(base: ARTConfig | None = None) -> dict[str, ARTConfig]:
     """Variant name -> rule: ``full`` (``base``), ``no_scale``, ``no_direction``, ``no_patience``,
     ``mma_probe``, ``accumulator_probe``."""
     base = base or ARTConfig()
+    if not isinstance(base, ARTConfig):
+        raise TypeError(f"base must be an ARTConfig (the rule the variants change), got {type(base).__name__}")
     return {
         "full": base,
         "no_scale": replace(base, use_scale=False, use_direction=True),

@@ -172,6 +172,9 @@ def bound_table(source, rules: Mapping[str, Rule], *, block_size: int = 64, step
         :class:`TruncationReport` (``bound_mean``, ``bound_max_value``, ``bound_certified``), its value
         and ``<bound>_holds`` (``error <= bound`` up to float64 rounding).
     """
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must map a name to each rule, e.g. bound_rules() or {{'art': ARTConfig()}}; got "
+                        f"{type(rules).__name__}")
     if not rules:
         raise ValueError("bound_table needs at least one rule")
     frames = []

@@ -42,6 +42,9 @@ def threshold_grid(traces: Sequence[BlockTrace], taus: Sequence[float], phis: Se
     :func:`art_analysis.rules_summary.summarize` (``false_stop_rate`` against ``Oracle(oracle_eps)``).
     """
     base = base or ARTConfig()
+    if not isinstance(base, ARTConfig):
+        raise TypeError(f"base must be an ARTConfig (the rule whose thresholds the grid sets), got "
+                        f"{type(base).__name__}")
     grid = list(product(taus, phis, patiences))
     if not grid:
         raise ValueError("taus, phis and patiences must each hold at least one value")
@@ -68,6 +71,10 @@ def pareto_front(rows: pd.DataFrame, *, cost: str = "loaded_fraction", error: st
                  by: str | None = "family") -> pd.DataFrame:
     """The rows no other row (of the same ``by`` group) beats on both ``cost`` and ``error``,
     sorted by ``cost``."""
+    missing = [column for column in (cost, error, by) if column is not None and column not in rows.columns]
+    if missing:
+        raise ValueError(f"rows lack the column(s) {missing}: pass by=None for rows of one family (e.g. "
+                         "threshold_grid's), or name columns the rows hold")
     groups = [rows] if by is None else [group for _, group in rows.groupby(by, sort=False)]
     kept = []
     for group in groups:

@@ -108,6 +108,11 @@ def walk_order(selection: torch.Tensor, order: str, *, block_size: int,
     if order not in WALK_ORDERS:
         raise ValueError(f"order must be one of {WALK_ORDERS} for a paged walk, got {order!r}")
     batch, kv_heads, num_blocks = selection.shape
+    block_size = check_block_size(block_size)
+    if seqlen is not None and not (isinstance(seqlen, int) and not isinstance(seqlen, bool)
+                                   and (num_blocks - 1) * block_size < seqlen <= num_blocks * block_size):
+        raise ValueError(f"seqlen must be an int in ({(num_blocks - 1) * block_size}, {num_blocks * block_size}]: "
+                         f"the {num_blocks} blocks of {block_size} tokens the selection covers, got {seqlen!r}")
     seqlens = check_cache_seqlens(cache_seqlens, batch, num_blocks * block_size if seqlen is None else seqlen,
                                   selection.device)
     kept = walkable_blocks(seqlens, kv_heads, num_blocks, block_size, selection)
