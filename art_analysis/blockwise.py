@@ -156,7 +156,11 @@ class BlockwiseAttention(nn.Module):
                                    sm_scale=self.sm_scale, mode=self.mode, block_scores=block_scores)
 
 
-def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
+def check_decode_call(q, k, v, cache_seqlens=None, sm_scale=None) -> tuple[torch.Tensor, float]:
+    """One decode attention call's inputs, as :func:`blockwise_attention` and the studies take them: ``q [B, Hq, D]``
+    and ``k, v [B, Hkv, S, D]`` floating, non-empty, on one device, ``Hq`` a multiple of ``Hkv``, finite (the cache
+    among its valid tokens), ``cache_seqlens [B]`` in ``[1, S]`` (default ``S``) and a positive ``sm_scale``
+    (default ``D ** -0.5``); returns ``(cache_seqlens, sm_scale)`` filled in, else ``ValueError`` / ``TypeError``."""
     check_float_tensor(q, "q", "[B, Hq, D]")
     check_kv_cache(k, v)
     if q.dim() != 3:
@@ -174,11 +178,20 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
     if q_heads % kv_heads != 0:
         raise ValueError(f"Hq % Hkv must be 0 (query head h reads KV head h // (Hq // Hkv)); "
                          f"got Hq={q_heads}, Hkv={kv_heads}")
+    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
+    check_finite_cache(k, v, seqlens)
+    if not torch.isfinite(q).all():
+        raise ValueError("q holds NaN or Inf")
+    return seqlens, softmax_scale(sm_scale, dim)
+
+
+def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
+    seqlens, sm_scale = check_decode_call(q, k, v, cache_seqlens, sm_scale)
     check_block_size(block_size)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     if selection is not None:
+        batch, kv_heads, seqlen, _ = k.shape
         num_blocks = math.ceil(seqlen / block_size)
         if not isinstance(selection, torch.Tensor) or selection.dtype != torch.bool:
             raise TypeError("selection must be a BoolTensor [B, Hkv, num_blocks]")
@@ -187,10 +200,7 @@ def _validate(q, k, v, block_size, cache_seqlens, selection, sm_scale, mode):
                              f"got {tuple(selection.shape)}")
         if selection.device != k.device:
             raise ValueError(f"selection must be on k's device {k.device}, got {selection.device}")
-    check_finite_cache(k, v, seqlens)
-    if not torch.isfinite(q).all():
-        raise ValueError("q holds NaN or Inf")
-    return seqlens, softmax_scale(sm_scale, dim)
+    return seqlens, sm_scale
 
 
 def _to_query_heads(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int_checks import check_cache_dims
+from kernels.int_checks import check_cache_dims, is_finite_real
 
 
 @dataclass
@@ -79,8 +79,15 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
                         ("value_outliers", value_outliers)):
         if not isinstance(value, int) or not 0 <= value <= seqlen:
             raise ValueError(f"{name} must be an int in [0, seqlen={seqlen}], got {value!r}")
+    reals = dict(sink=sink, recency=recency, recency_scale=recency_scale, heavy=heavy, outlier_scale=outlier_scale,
+                 value_mean=value_mean, noise=noise, query_noise=query_noise)
+    bad = {name: value for name, value in reals.items() if not is_finite_real(value)}
+    if bad:
+        raise ValueError(f"the structure parameters must be finite numbers, got {bad}")
     if recency_scale <= 0 or noise < 0 or query_noise < 0 or outlier_scale <= 0:
         raise ValueError("recency_scale and outlier_scale must be > 0, noise and query_noise >= 0")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
 
     gen = torch.Generator().manual_seed(seed)
     group = num_q_heads // num_kv_heads

@@ -125,3 +125,31 @@ def test_summaries_name_a_wrong_collection_of_traces_or_rules():
     with pytest.raises(ValueError, match=r"rows lack the column\(s\) \['family'\]: pass by=None"):
         pareto_front(grid)
     assert len(pareto_front(grid, by=None)) >= 1
+
+
+def test_studies_check_their_decode_inputs_and_settings_before_any_work():
+    from art_analysis.analysis.convergence import convergence_curves, recent_window_curves
+    from art_analysis.analysis.inputs import decode_inputs
+    from art_analysis.analysis.misalignment import misalignment_rates
+
+    cache = synthetic_cache(1, 4, 2, 256, 16, seed=4)
+    call = (cache.q, cache.k, cache.v, None, None, 0, 1)
+    assert decode_inputs([call])[0].cache_seqlens.tolist() == [256]           # None: the whole cache
+    nan_k = cache.k.clone()
+    nan_k[0, 1, 7, 3] = float("nan")
+    cases = [((cache.q, nan_k, cache.v, None, None, 0, 1), ValueError, "NaN or Inf"),
+             ((cache.q.long(), cache.k, cache.v, None, None, 0, 1), TypeError, "q must be a floating-point"),
+             ((cache.q, cache.k, cache.v, torch.tensor([300]), None, 0, 1), ValueError, r"\[1, S=256\]"),
+             ((cache.q, cache.k, cache.v, None, None, 0, 1, -0.5), ValueError, "sm_scale must be a positive")]
+    for bad, error, message in cases:
+        for study in (convergence_curves, recent_window_curves, misalignment_rates):
+            with pytest.raises(error, match=message):
+                study([bad])
+    for fractions in ([float("nan")], [-0.5], [2.0], []):
+        with pytest.raises(ValueError, match=r"fractions must be loaded fractions in \[0, 1\]"):
+            convergence_curves([call], fractions=fractions)
+        with pytest.raises(ValueError, match=r"fractions must be loaded fractions in \[0, 1\]"):
+            recent_window_curves([call], fractions=fractions)
+    for sinks in ((-1,), (), (1.5,)):
+        with pytest.raises(ValueError, match="sink_tokens must be a non-empty list of ints >= 0"):
+            recent_window_curves([call], sink_tokens=sinks)

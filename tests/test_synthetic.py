@@ -49,7 +49,15 @@ def test_presets_differ_in_concentration():
     (dict(num_q_heads=5, num_kv_heads=2), "num_q_heads % num_kv_heads"),
     (dict(seqlen=0), "seqlen"), (dict(heavy_hitters=10_000), "heavy_hitters"),
     (dict(preset="spiky"), "preset"), (dict(recency_scale=0.0), "recency_scale"),
+    (dict(sink=float("nan")), r"must be finite numbers, got \{'sink': nan\}"),
+    (dict(outlier_scale=float("inf"), value_mean="1"), r"got \{'outlier_scale': inf, 'value_mean': '1'\}"),
 ])
 def test_bad_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         synthetic_cache(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, "float16"])
+def test_a_cache_dtype_that_is_not_floating_is_refused(dtype):
+    with pytest.raises(TypeError, match="dtype must be a floating torch dtype"):
+        synthetic_cache(1, 2, 1, 64, 8, dtype=dtype)

@@ -52,6 +52,16 @@ def error_at(trace: BlockTrace, fractions: torch.Tensor) -> torch.Tensor:
     return torch.gather(padded, 1, torch.where(position >= 0, position, error.shape[1]))
 
 
+def _check_fractions(fractions) -> torch.Tensor:
+    """``fractions`` (default ``DEFAULT_FRACTIONS``) as a float64 ``[F]`` tensor of loaded fractions in ``[0, 1]``."""
+    if fractions is None:
+        return DEFAULT_FRACTIONS
+    values = torch.as_tensor(fractions, dtype=torch.float64).flatten()
+    if values.numel() == 0 or not bool(((values >= 0) & (values <= 1)).all()):
+        raise ValueError(f"fractions must be loaded fractions in [0, 1] (at least one), got {values.tolist()}")
+    return values
+
+
 def _quantile_rows(values: torch.Tensor, fractions: torch.Tensor, **keys) -> list[dict]:
     """Median, quartiles and mean over dim 0 of ``values [N, F]``, one row per fraction."""
     quantiles = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=values.dtype), dim=0)
@@ -76,7 +86,7 @@ def convergence_curves(source, *, orders: Sequence[str] = ORDERS, fractions: tor
         One row per ``(layer, order, loaded_fraction)``: ``error_q25, error_median, error_q75,
         error_mean`` over the ``heads`` (every query head of every sequence).
     """
-    fractions = DEFAULT_FRACTIONS if fractions is None else torch.as_tensor(fractions, dtype=torch.float64)
+    fractions = _check_fractions(fractions)
     unknown = [o for o in orders if o not in ORDERS]
     if unknown or not orders:
         raise ValueError(f"orders must be a non-empty subset of {ORDERS}, got {list(orders)}")
@@ -101,7 +111,10 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
         ``"sink{s}+recent"``, the error quantiles over heads and ``heads``; ``loaded_fraction`` is
         the window's share of the tokens (sink included).
     """
-    fractions = DEFAULT_FRACTIONS if fractions is None else torch.as_tensor(fractions, dtype=torch.float64)
+    fractions = _check_fractions(fractions)
+    bad = [s for s in sink_tokens if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    if bad or not sink_tokens:
+        raise ValueError(f"sink_tokens must be a non-empty list of ints >= 0 (0: no sink), got {list(sink_tokens)}")
     rows = []
     for call in decode_inputs(source, step):
         batch, kv_heads, _, dim = call.k.shape

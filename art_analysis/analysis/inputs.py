@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..blockwise import BlockTrace, blockwise_attention
+from ..blockwise import BlockTrace, blockwise_attention, check_decode_call
 from ..policies.quest import group_block_bounds
 
 
@@ -51,7 +51,15 @@ class DecodeInput(NamedTuple):
 
 def decode_inputs(source, step: int = -1) -> list[DecodeInput]:
     """The decode calls of ``source`` (see the module docstring); ``step`` picks a capture's decode
-    step (negative counts from the end).  A capture's calls carry its softmax scale."""
+    step (negative counts from the end).  A capture's calls carry its softmax scale.  Each call is checked as
+    :func:`~art_analysis.blockwise.check_decode_call` checks a walk's inputs, and ``cache_seqlens`` left ``None``
+    is filled in (``S``)."""
+    return [call._replace(cache_seqlens=check_decode_call(call.q, call.k, call.v, call.cache_seqlens,
+                                                          call.sm_scale)[0])
+            for call in _decode_calls(source, step)]
+
+
+def _decode_calls(source, step: int) -> list[DecodeInput]:
     from ..capture import KVCapture
     from ..synthetic import SyntheticCache
 
