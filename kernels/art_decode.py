@@ -433,6 +433,7 @@ LEADER_TMA_MIN_STEPS = 32
 PAGE_TABLE_STAGES = 2            # extra pipeline stages of the paged layout (its tiles wait on page-table loads)
 PAIR_SPLIT_STAGES = 4            # 64-dim per-pair splits: 4 programs per multiprocessor instead of 6 (V46)
 ART_CHUNK = 16
+FP32_ROUNDS_TO_ZERO = 2.0 ** -150   # the largest float that rounds to 0 in fp32 (half the smallest subnormal, a tie)
 MAX_ART_STEPS = HORIZON_CAP.value   # blocks of one monitored walk (the kernel's chunk sizes are int32-safe below it)
 GATE_POLLS_PER_STEP = 16   # a deferred follower waits for its leader at most this many polls per follow step
 ON_DEMAND_POLL_NS = 1000   # an on-demand follower sleeps this long between polls of its leader's word
@@ -969,11 +970,11 @@ def _direction_build(monitor: ARTParams) -> int:
     """The monitor's direction-test build (``USE_DIRECTION``): the guards of a zero probe (``1 - cos = 1``, stable
     only where ``phi > 1``) and of ``phi = 0`` (a rounding below zero must not pass) are compiled in only for a
     ``phi`` outside ``(0, 1]``, where they can change a step; within it they hold and cost latency.  The kernel
-    reads ``phi`` in fp32, so the choice is made on that value (a ``phi`` below fp32's smallest subnormal is 0)."""
+    reads ``phi`` in fp32, where a ``phi`` up to ``FP32_ROUNDS_TO_ZERO`` is 0 (a ``phi`` just above 1 that rounds
+    to 1 keeps the guards, which hold there too)."""
     if not monitor.use_direction:
         return DIRECTION_OFF.value
-    phi = torch.tensor(monitor.phi, dtype=torch.float32).item()
-    return (DIRECTION_ON if 0.0 < phi <= 1.0 else DIRECTION_GUARDED).value
+    return (DIRECTION_ON if FP32_ROUNDS_TO_ZERO < monitor.phi <= 1.0 else DIRECTION_GUARDED).value
 
 
 def _check_tensors(q, k_cache, v_cache, block_table):
