@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -28,8 +29,21 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike, payload, indent: int = 2) -> Path:
-    """``payload`` as JSON (trailing newline) through :func:`write_text_atomic`."""
-    return write_text_atomic(path, json.dumps(payload, indent=indent) + "\n")
+    """``payload`` as standard JSON (trailing newline) through :func:`write_text_atomic`.  A float that is not
+    finite (an undefined mean, such as a share over no truncated heads) is written as ``null``: JSON has no NaN or
+    Infinity, and strict readers refuse the bare tokens."""
+    return write_text_atomic(path, json.dumps(_finite_or_null(payload), indent=indent, allow_nan=False) + "\n")
+
+
+def _finite_or_null(value):
+    """``value`` with every non-finite float, at any depth of dicts, lists and tuples, replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def input_file_record(path: str | os.PathLike) -> dict:

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,6 +151,14 @@ def test_studies_check_their_decode_inputs_and_settings_before_any_work():
             convergence_curves([call], fractions=fractions)
         with pytest.raises(ValueError, match=r"fractions must be loaded fractions in \[0, 1\]"):
             recent_window_curves([call], fractions=fractions)
-    for sinks in ((-1,), (), (1.5,)):
+    for sinks in ((), 4, "4"):
         with pytest.raises(ValueError, match="sink_tokens must be a non-empty list of ints >= 0"):
             recent_window_curves([call], sink_tokens=sinks)
+    with pytest.raises(ValueError, match="each of sink_tokens must be >= 0"):
+        recent_window_curves([call], sink_tokens=(4, -1))
+    with pytest.raises(TypeError, match="each of sink_tokens must be an int"):
+        recent_window_curves([call], sink_tokens=(1.5,))
+    # an array of NumPy ints (a sweep's values) is taken; a repeated size gives its rows once
+    swept = recent_window_curves([call], fractions=[0.5], sink_tokens=np.array([0, 4, 4]))
+    assert sorted(swept["window"].unique()) == ["recent", "sink4+recent"]
+    assert len(swept) == 2 * len(recent_window_curves([call], fractions=[0.5], sink_tokens=[0]))

@@ -56,7 +56,14 @@ def test_truncation_report_refuses_inputs_and_stops_that_are_not_the_traces():
     with pytest.raises(ValueError, match="must be the inputs that produced the trace"):
         truncation_report(trace, cache.q * 2, cache.k, cache.v, stop_step, lens)
     with pytest.raises(ValueError, match=r"q must be the trace's \[B, Hq, D\]=\(2, 6, 16\)"):
+        truncation_report(trace, cache.q[:, :4], cache.k, cache.v, stop_step, lens)
+    with pytest.raises(ValueError, match="Hq % Hkv must be 0"):
         truncation_report(trace, cache.q[:, :3], cache.k, cache.v, stop_step, lens)
+    with pytest.raises(ValueError, match="q holds NaN"):
+        truncation_report(trace, cache.q.clone().index_fill_(1, torch.tensor([0]), float("nan")), cache.k, cache.v,
+                          stop_step, lens)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        truncation_report(trace, cache.q, cache.k, cache.v, stop_step, torch.tensor([300, 301]))
     with pytest.raises(ValueError, match="q must be the trace's"):
         truncation_report(trace, cache.q, cache.k[:, :1], cache.v[:, :1], stop_step, lens)
     with pytest.raises(TypeError, match="stop_step must be an int tensor"):

@@ -1,9 +1,14 @@
 """Result files name the input they were measured on by content, not only by its local file name, and the code they
 were measured with."""
 import hashlib
+import json
+import math
 import subprocess
 
-from kernels.results_io import SOURCE_COMMIT_ENV, input_file_record, source_revision
+import numpy as np
+import pandas as pd
+
+from kernels.results_io import SOURCE_COMMIT_ENV, input_file_record, source_revision, write_json_atomic
 
 
 def test_an_input_file_is_recorded_by_name_size_and_content_hash(tmp_path):
@@ -59,3 +64,24 @@ def test_the_report_names_a_result_commit_when_it_has_one():
     assert note == ", commit 0123456789ab + changes"
     assert _source_note({"source": {"commit": "0123456789abcdef", "modified": None}}) == ", commit 0123456789ab"
     assert _source_note({"source": None}) == _source_note({}) == ""
+
+
+def _strict_json(text: str):
+    """``text`` parsed as standard JSON: the bare tokens NaN and Infinity are refused."""
+    def refuse(token):
+        raise ValueError(f"not standard JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_result_with_undefined_numbers_is_written_as_standard_json(tmp_path):
+    # a summary table as the studies make it: a share over no truncated heads is NaN
+    table = pd.DataFrame([dict(rule="a", error_mean=0.25, certified=float("nan")),
+                          dict(rule="b", error_mean=np.float64("inf"), certified=0.5)])
+    payload = {"rows": table.to_dict("records"), "spread": (1.0, -math.inf), "nested": {"x": [float("nan"), 2]},
+               "count": 3, "name": "nan", "flag": True}
+    path = write_json_atomic(tmp_path / "result.json", payload)
+    read = _strict_json(path.read_text())
+    assert read == {"rows": [dict(rule="a", error_mean=0.25, certified=None),
+                             dict(rule="b", error_mean=None, certified=0.5)],
+                    "spread": [1.0, None], "nested": {"x": [None, 2]}, "count": 3, "name": "nan", "flag": True}
+    assert payload["nested"]["x"][0] != payload["nested"]["x"][0]        # the caller's payload is left as it was

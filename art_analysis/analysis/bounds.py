@@ -24,8 +24,8 @@ from typing import Mapping
 import pandas as pd
 import torch
 
-from ..blockwise import BlockTrace
-from ..checks import check_cache_seqlens, check_float_tensor, check_kv_cache, valid_token_mask
+from ..blockwise import BlockTrace, check_decode_call
+from ..checks import valid_token_mask
 from ..policies.quest import block_score_bounds
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, stop
 from .inputs import decode_inputs
@@ -69,8 +69,7 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
         stop_step: ``[B, Hq]`` last visited step (e.g. ``stop(trace, rule).stop_step``).
         cache_seqlens: ``[B]`` as given to the simulator.
     """
-    check_float_tensor(q, "q", "[B, Hq, D]")
-    check_kv_cache(k, v)
+    seqlens, _ = check_decode_call(q, k, v, cache_seqlens, trace.sm_scale)
     batch, kv_heads, seqlen, dim = k.shape
     group = trace.group_size
     if tuple(q.shape) != tuple(trace.final_out.shape) or (batch, kv_heads * group, dim) != tuple(q.shape):
@@ -84,7 +83,6 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
     last_steps = (trace.block_ids >= 0).sum(-1).repeat_interleave(group, dim=1) - 1     # [B, Hq]
     if bool(((stop_step < 0) | (stop_step > last_steps.to(stop_step.device))).any()):
         raise ValueError("stop_step must lie within each head's walk: steps 0 to its last step")
-    seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     block_size = trace.block_size
     implied = (seqlens[:, None, None] - trace.block_ids.clamp(min=0) * block_size).clamp(0, block_size)
     if not torch.equal(torch.where(trace.block_ids >= 0, implied, 0), trace.block_tokens.to(implied.device)):

@@ -11,7 +11,7 @@ Two views, both on any source (:mod:`art_analysis.analysis.inputs`):
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import pandas as pd
 import torch
@@ -19,6 +19,7 @@ import torch
 from kernels.softmax_scale import softmax_scale
 
 from ..blockwise import BlockTrace
+from ..checks import check_int
 from ..orders import ORDERS
 from .inputs import decode_inputs
 
@@ -112,9 +113,10 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
         the window's share of the tokens (sink included).
     """
     fractions = _check_fractions(fractions)
-    bad = [s for s in sink_tokens if not isinstance(s, int) or isinstance(s, bool) or s < 0]
-    if bad or not sink_tokens:
-        raise ValueError(f"sink_tokens must be a non-empty list of ints >= 0 (0: no sink), got {list(sink_tokens)}")
+    sizes = list(sink_tokens) if isinstance(sink_tokens, Iterable) and not isinstance(sink_tokens, str) else []
+    if not sizes:
+        raise ValueError(f"sink_tokens must be a non-empty list of ints >= 0 (0: no sink), got {sink_tokens!r}")
+    sink_tokens = list(dict.fromkeys(check_int(s, "each of sink_tokens", 0) for s in sizes))
     rows = []
     for call in decode_inputs(source, step):
         batch, kv_heads, _, dim = call.k.shape
