@@ -568,7 +568,14 @@ def _count_finished(counter_ptr, num_pairs):
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["uniform_len", "follow_step", "max_gate_polls", "pair_limit", "release_step"])
+# Integer arguments compiled as plain values, never specialised (Triton makes an int equal to 1 a constant and marks one
+# divisible by 16): the monitor's thresholds, so that a sweep of patience or min_steps reuses one build, and the values
+# that change from call to call.
+UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len", "follow_step", "max_gate_polls", "pair_limit",
+                      "release_step")
+
+
+@triton.jit(do_not_specialize=UNSPECIALISED_INTS)
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, kept_ptr, arrivals_ptr, pair_words_ptr, order_ptr,

@@ -10,6 +10,7 @@ that the GPU machine's own Triton gives (``kernels.step_schedule``).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import torch
 
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import ON_DEMAND_POLL_NS, art_decode
+from kernels.art_decode_kernel import UNSPECIALISED_INTS, art_decode_split_kernel
 from kernels.pair_walks import PairWalks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,14 +70,17 @@ def _compile_request(label: str, arg_names, call) -> dict:
     """What the subprocess compiles for one recorded launch (``conftest.KernelLaunches``' call), specialised as the
     JIT specialises a launch on the GPU: an int argument equal to 1 becomes a constant, and the arguments divisible
     by 16 are compiled as such (without that, pointer loads compile to scalar loads with a register each, and a
-    128-token build to 255 registers and 40 KB of shared memory instead of 151 and 136 KB)."""
+    128-token build to 255 registers and 40 KB of shared memory instead of 151 and 136 KB), except the kernel's
+    ``UNSPECIALISED_INTS``, which stay plain values."""
     options = {name: call.kwargs[name] for name in ("num_warps", "num_stages")}
     constexprs = {name: value for name, value in call.kwargs.items() if name not in options}
     if constexprs.get("ON_DEMAND"):   # recorded on the CPU, which polls without sleeping: compile the GPU's sleep
         constexprs["POLL_NS"] = ON_DEMAND_POLL_NS
     signature, divisible = {}, []
     for index, (name, value) in enumerate(zip(arg_names, call.args)):
-        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+        if name in UNSPECIALISED_INTS:
+            signature[name] = _argument_type(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and value == 1:
             constexprs[name] = 1
         else:
             signature[name] = _argument_type(value)
@@ -233,3 +238,11 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
     loops = _mma_loops(launches, tmp_path)
     for label, schedules in loops.items():
         assert schedules and all(loop.serialised_mmas <= 2 for loop in schedules), (label, schedules)
+
+
+def test_the_unspecialised_ints_name_the_kernels_arguments():
+    # Triton skips a do_not_specialize name that is not an argument without a word: a misspelt threshold would be
+    # specialised again, and a sweep of it would compile a build per value class
+    arguments = inspect.signature(art_decode_split_kernel.fn).parameters
+    assert set(UNSPECIALISED_INTS) <= {name for name, p in arguments.items() if p.annotation is inspect.Parameter.empty}
+    assert {"patience", "first_counted"} <= set(UNSPECIALISED_INTS)
