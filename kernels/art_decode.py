@@ -50,7 +50,7 @@ sized to, a leader cannot stop before its followers have started (a follower tha
 of several waves, reads one chunk before it sees the flag; V30: never-stopping SmolLM2 B = 32, 8k at 5
 splits 0.0641 -> 0.0639 ms, +1.7 -> +1.3 % over the dense walk).  The leader's chunks end at its earliest possible
 stop (``kernels.art_decode_kernel``), so it stops, and raises the flag, at its stop step exactly
-rather than at the end of a fixed chunk (V14: leader scheme at B = 1, 128k 0.109 -> 0.088 ms,
+rather than at the end of a fixed chunk (V14: leader scheme at B = 1, 128k 0.110 -> 0.088 ms,
 at B = 8, 128k 0.111 -> 0.087).  Measured on the H200 (V14 full run; ``ARTConfig()``
 thresholds, synthetic caches, bf16, CUDA-graph medians):
 
@@ -65,8 +65,8 @@ synthetic 32/8, B = 1, S = 32k        0.073, 7.0 %                 0.063, 100 % 
 A lone walk is latency-bound (1.20 us per block at D = 128, 0.94 at D = 64; V26), so a monitored walk that
 must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`kernels.split_plan.earliest_stop_steps`, 17 steps for ``ARTConfig()``;
-mean walks of 33-41 blocks on the synthetic caches and 73-89 on the SmolLM2 layer).  A call cannot end before its
-longest walk, and only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the longest
+mean walks of 33-41 blocks on the synthetic caches and 63-86 on the SmolLM2 layer of 8 sequences, V72's run at
+B = 128).  A call cannot end before its longest walk, and only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the longest
 walk of the layer's previous call, which ``walk_hint`` carries), else it is taken as ``ART_STOP_MARGIN`` (2)
 earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at 8k-128k) but
 not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-128k).  Hence the default
@@ -81,7 +81,7 @@ not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-1
   costs the dense walk's time plus the guess instead of the whole walk at the lone pace.  Not told the walk, the
   plan defers only where the dense walk takes at least ``GUESS_REGRET_RATIO`` (2) times the guess: there a right
   guess saves at least what a wrong one costs (V56: the SmolLM2 layer at B = 32 x 8k, whose walks run 46-128
-  blocks, took 69 us deferred to 34 blocks against 55 us for the dense walk; its followers now start at once).
+  blocks, took 68 us deferred to 34 blocks against 55 us for the dense walk; its followers now start at once).
 
 ``num_splits=1`` forces the single walk.  When even the leader's range is shorter than the earliest stop
 (:func:`kernels.split_plan.leader_can_stop`: B = 1 up to 32k, B = 8 at 8k, the SmolLM2 layer at B = 1), no walk can stop
@@ -255,7 +255,7 @@ invariant *zero between launches*.  A launch either runs every program (each cou
 takes the buffers with it; a call that raises does so before the launch.  Calls of one
 pair count issued on different streams share the buffer and must not overlap in time.  With
 one split the program writes ``out`` and ``lse`` itself and touches no counter.  Measured on
-the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0499 ms against
+the H200 (``benchmarks/NOTES-art-decode.md``, V6): B = 1, S = 32k dense 0.0500 ms against
 0.0509 ms for the former two launches (cuDNN SDPA 0.0497 ms); unchanged at B >= 8.
 
 **Dense defaults** (``art=None``): the split count comes from the real lengths
@@ -351,8 +351,8 @@ each step's page-table load ahead of its K/V tiles, which at the contiguous layo
 single-buffered; the paged launches take ``PAGE_TABLE_STAGES`` (2) more stages, which double-buffers them
 at about the contiguous layout's shared memory.  Against the former runtime page size (an int64 division per token) and
 stage count, on the H200 (shuffled tables): the lone 64-token step 4.1 -> 2.0-2.6 us monitored and 3.6 -> 1.3-1.7 us
-dense; dense B = 32 / 128 x 32k at 128-token blocks 3.5 -> 4.0-4.5 TB/s, and 4.3-4.5 with
-:func:`kernels.split_plan.dense_block_size`'s default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.095 ms
+dense; dense B = 32 / 128 x 32k at 128-token blocks 3.5 -> 3.9-4.5 TB/s, and 4.3-4.5 with
+:func:`kernels.split_plan.dense_block_size`'s default (contiguous 4.4-4.6); synthetic ART at 8 x 32k 0.186 -> 0.096 ms
 with pages of 64, and 0.087 with the page descriptors (contiguous 0.058); every output, lse and step count
 bit-identical.  Zeroing V only in the block past which the length ends (V30, ``-tail-zeroing-ab.json``): the lone
 monitored step on pages of 64 / 256 tokens 2.00 / 1.83 -> 1.68 / 1.63 us (contiguous 1.20), ART at 8 x 32k on pages of

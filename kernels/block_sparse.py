@@ -63,8 +63,9 @@ def heads_first(config: KernelConfig, programs: int, device: torch.device) -> bo
 
     Head-major order keeps a head's K/V in L2, but on a small grid a head's longest rows start late
     and finish last.  Measured on an H200 (``benchmarks/NOTES-flexprefill.md``, K3): SmolLM2 at
-    32k (9 heads, 8.7 tiles per resident program) runs 2-12 % faster side by side; at 128k (35) and
-    with 32 heads at 32k (31) it runs 4-14 % slower; the threshold lies between those points.
+    32k (9 heads, 8.7 tiles per resident program) runs 1.4-12.5 % faster side by side; at 128k (35) and
+    with 32 heads at 32k (31) it runs 2.0-13.8 % slower (``2026-12-01-flexprefill-sparse-tiles.json``); the
+    threshold lies between those points.
     """
     if config.heads_first is not None:
         return config.heads_first

@@ -2,9 +2,9 @@
 
 ``triton.testing.do_bench`` empties the L2 before every timed call, so that no input is cached there, with a memset
 of a 256 MB scratch buffer (its driver's ``clear_cache``).  The memset leaves the L2 full of dirty lines, and the
-timed kernel pays for writing them back.  On the H200, every decode kernel that read 50 MB or more took 9.5-10.5 us
-longer after the memset than after a read of the same buffer, and cuDNN SDPA lost as much as this kernel
-(``benchmarks/results/2026-12-02-art-decode-l2-flush.json``).  For example, dense B = 1, S = 32k went from 48.2 to
+timed kernel pays for writing them back.  On the H200, the dense kernel and cuDNN SDPA took 7.5-20.4 us longer
+after the memset than after a read of the same buffer (median 9.8 us over their 18 rows, 14 of them 8.4-11.1;
+``benchmarks/results/2026-12-02-art-decode-l2-flush.json``).  For example, dense B = 1, S = 32k went from 48.2 to
 38.8 us and synthetic ART at 32 x 32k from 88.1 to 78.4 us.  A call that reads less paid part of it: the dense
 replay of the ART walks at 1 x 128k, 9 MB, 0.4 us.  A decode step's attention follows kernels that write a few MB
 at most (the projections, the cache append), so in a model its L2 holds little dirty data.
