@@ -78,13 +78,12 @@ def _compile_request(label: str, arg_names, call) -> dict:
         constexprs["POLL_NS"] = ON_DEMAND_POLL_NS
     signature, divisible = {}, []
     for index, (name, value) in enumerate(zip(arg_names, call.args)):
-        if name in UNSPECIALISED_INTS:
-            signature[name] = _argument_type(value)
-        elif isinstance(value, int) and not isinstance(value, bool) and value == 1:
+        specialised = name not in UNSPECIALISED_INTS
+        if specialised and isinstance(value, int) and not isinstance(value, bool) and value == 1:
             constexprs[name] = 1
         else:
             signature[name] = _argument_type(value)
-            divisible += [index] if _divisible_by_16(value) else []
+            divisible += [index] if specialised and _divisible_by_16(value) else []
     signature.update({name: "constexpr" for name in constexprs})
     return {"label": label, "signature": signature, "constexprs": constexprs, "options": options,
             "divisible_by_16": divisible}
