@@ -79,6 +79,26 @@ def test_numpy_budgets_of_a_sweep_are_held_as_python_numbers(name):
         policies.make(name, budget=np.float64(1.5))
 
 
+def test_a_budget_policy_of_ones_own_checks_its_budget_and_counts_its_blocks():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class NewestPolicy(policies.BudgetPolicy):
+        name = "newest"
+
+        def keep_blocks(self, inputs):
+            newest = inputs.newest_blocks(self.kept_block_counts(inputs))      # [B, nb]
+            return newest[:, None, :].expand(-1, inputs.k.shape[1], -1)
+
+    k, v, _ = cache(seqlen=40, batch=2)
+    keep = NewestPolicy(budget=np.float64(0.5)).select(k, v, block_size=8, cache_seqlens=torch.tensor([40, 17]))
+    # half of 40 tokens is 20 (3 blocks of 8); half of 17 is 8 (1 block), the newest valid one (block 2)
+    assert keep.sum(-1).tolist() == [[3, 3], [1, 1]] and keep[1, :, 2].all()
+    assert NewestPolicy(budget=np.int64(9)).spec == "newest:budget=9"
+    with pytest.raises(ValueError, match="budget as a fraction must lie in"):
+        NewestPolicy(budget=2.0)
+
+
 @pytest.mark.parametrize("name", ["streaming", "snapkv", "h2o", "quest", "oracle_contribution"])
 def test_budget_above_the_length(name):
     k, v, queries = cache(seqlen=40, batch=2)

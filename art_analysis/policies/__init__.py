@@ -9,13 +9,15 @@ name::
     policy = policies.parse_spec("snapkv:budget=0.2,window=32")
     keep = policy.select(k, v, queries=q[:, :, None], block_size=64)   # BoolTensor [B, Hkv, nb]
 
-Budgets, and how they map to blocks, are defined in :mod:`.budget`.
+Budgets, and how they map to blocks, are defined in :mod:`.budget`.  A new method is a frozen dataclass
+subclassing :class:`SelectionPolicy` (or :class:`BudgetPolicy`, which checks a ``budget`` field and counts the
+blocks it keeps) with a ``name`` and ``keep_blocks``; add it to ``REGISTRY`` to build it by name.
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from .base import SelectionInputs, SelectionPolicy
+from .base import BudgetPolicy, SelectionInputs, SelectionPolicy
 from .coverage import CoveragePolicy
 from .dense import DensePolicy
 from .h2o import H2OPolicy
@@ -30,7 +32,7 @@ REGISTRY: dict[str, type[SelectionPolicy]] = {
                               QuestPolicy, CoveragePolicy, OracleContributionPolicy)
 }
 
-__all__ = ["REGISTRY", "make", "parse_spec", "SelectionPolicy", "SelectionInputs", *(
+__all__ = ["REGISTRY", "make", "parse_spec", "SelectionPolicy", "BudgetPolicy", "SelectionInputs", *(
     cls.__name__ for cls in REGISTRY.values())]
 
 

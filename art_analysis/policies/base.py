@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, check_kv_cache, valid_token_mask
-from .budget import tokens_to_blocks
+from .budget import Budget, budget_tokens, check_budget, tokens_to_blocks
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,27 @@ class SelectionPolicy(ABC):
         """``"name:field=value,..."`` listing every field; :func:`art_analysis.policies.parse_spec` reads it back."""
         params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
         return f"{self.name}:{params}" if params else self.name
+
+
+@dataclass(frozen=True)
+class BudgetPolicy(SelectionPolicy):
+    """A policy that keeps a budget of each sequence (see :mod:`~art_analysis.policies.budget`).
+
+    ``budget`` is checked and normalised here (``int`` tokens or ``float`` fraction); a subclass that checks more
+    fields calls ``super().__post_init__()`` first.
+
+    Attributes:
+        budget: tokens (int) or fraction of each sequence (float in ``(0, 1]``).
+    """
+
+    budget: Budget
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", check_budget(self.budget))
+
+    def kept_block_counts(self, inputs: SelectionInputs) -> torch.Tensor:
+        """The blocks kept per sequence, ``N_b = ceil(T_b / block_size)``: ``LongTensor [B]``."""
+        return tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
 
 
 def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqlens) -> SelectionInputs:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
+from .base import BudgetPolicy, SelectionInputs
+from .budget import keep_top_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
 
 
@@ -26,7 +26,7 @@ def accumulated_attention(inputs: SelectionInputs, *, group_reduce: str, sm_scal
 
 
 @dataclass(frozen=True)
-class H2OPolicy(SelectionPolicy):
+class H2OPolicy(BudgetPolicy):
     """Keep a recent window and the heavy-hitter blocks.
 
     Of the ``N_b`` kept blocks (see :mod:`~art_analysis.policies.budget`), the newest
@@ -42,7 +42,6 @@ class H2OPolicy(SelectionPolicy):
         sm_scale: softmax scale, default ``D ** -0.5``.
     """
 
-    budget: Budget
     recent_fraction: float = 0.5
     group_reduce: str = "mean"
     sm_scale: float | None = None
@@ -50,7 +49,7 @@ class H2OPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        super().__post_init__()
         if isinstance(self.recent_fraction, bool) or not isinstance(self.recent_fraction, (int, float)) \
                 or not 0 <= self.recent_fraction <= 1:
             raise ValueError(f"recent_fraction must lie in [0, 1], got {self.recent_fraction!r}")
@@ -58,7 +57,7 @@ class H2OPolicy(SelectionPolicy):
         check_sm_scale(self.sm_scale)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
-        keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
+        keep = self.kept_block_counts(inputs)
         recent = torch.ceil(keep.to(torch.float64) * self.recent_fraction - 1e-9).long()
         scores = accumulated_attention(inputs, group_reduce=self.group_reduce, sm_scale=self.sm_scale)
         return keep_top_blocks(scores, keep, inputs.valid_blocks, inputs.newest_blocks(recent), "recent window")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
+from .base import BudgetPolicy, SelectionInputs
+from .budget import keep_top_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
 
 
@@ -29,7 +29,7 @@ def block_contributions(inputs: SelectionInputs, sm_scale: float | None) -> torc
 
 
 @dataclass(frozen=True)
-class OracleContributionPolicy(SelectionPolicy):
+class OracleContributionPolicy(BudgetPolicy):
     """Keep the ``N_b`` blocks with the largest contribution (see :mod:`~art_analysis.policies.budget`).
 
     The contribution of :func:`block_contributions` is reduced over the group's query heads and
@@ -42,18 +42,17 @@ class OracleContributionPolicy(SelectionPolicy):
         sm_scale: softmax scale, default ``D ** -0.5``.
     """
 
-    budget: Budget
     group_reduce: str = "max"
     sm_scale: float | None = None
     name = "oracle_contribution"
     needs_queries = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        super().__post_init__()
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
-        keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
+        keep = self.kept_block_counts(inputs)
         scores = reduce_group(block_contributions(inputs, self.sm_scale).flatten(2, 3), self.group_reduce)
         return keep_top_blocks(scores, keep, inputs.valid_blocks)

@@ -10,8 +10,8 @@ import torch
 
 from kernels.int_checks import check_count
 
-from .base import SelectionInputs, SelectionPolicy, validate_inputs
-from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
+from .base import BudgetPolicy, SelectionInputs, validate_inputs
+from .budget import keep_top_blocks
 from .scores import check_group_reduce, grouped_queries, reduce_group
 
 
@@ -72,7 +72,7 @@ def group_block_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blo
     return bounds.view(bounds.shape[0], k.shape[1], -1, bounds.shape[-1]).amax(2)
 
 @dataclass(frozen=True)
-class QuestPolicy(SelectionPolicy):
+class QuestPolicy(BudgetPolicy):
     """Keep the current page and the pages with the highest score bound.
 
     Pages are blocks.  The bound of :func:`page_score_bound` is computed for every query head
@@ -88,21 +88,20 @@ class QuestPolicy(SelectionPolicy):
         dense_layers: leading layers left dense (Quest: 2).
     """
 
-    budget: Budget
     group_reduce: str = "max"
     dense_layers: int = 2
     name = "quest"
     needs_queries = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        super().__post_init__()
         check_group_reduce(self.group_reduce)
         check_count(self.dense_layers, "dense_layers", 0)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         if inputs.layer is not None and inputs.layer < self.dense_layers:
             return inputs.every_valid_block()
-        keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
+        keep = self.kept_block_counts(inputs)
         key_min, key_max = page_key_bounds(inputs)
         queries = grouped_queries(inputs)                                   # [B, Hkv, G, Nq, D]
         bound = page_score_bound(queries, key_min[:, :, None], key_max[:, :, None])  # [B, Hkv, G, Nq, nb]

@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 from kernels.int_checks import check_count
 
-from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
+from .base import BudgetPolicy, SelectionInputs
+from .budget import keep_top_blocks, tokens_to_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
 
 POOLINGS = ("avgpool", "maxpool")
@@ -44,7 +44,7 @@ def snapkv_block_scores(inputs: SelectionInputs, *, kernel_size: int, pooling: s
 
 
 @dataclass(frozen=True)
-class SnapKVPolicy(SelectionPolicy):
+class SnapKVPolicy(BudgetPolicy):
     """Keep the observation window and the blocks the window's queries attend to most.
 
     ``queries`` are the observation window (SnapKV: the prompt's last ``window`` queries; at
@@ -61,7 +61,6 @@ class SnapKVPolicy(SelectionPolicy):
         sm_scale: softmax scale, default ``D ** -0.5``.
     """
 
-    budget: Budget
     window: int = 32
     kernel_size: int = 5
     pooling: str = "avgpool"
@@ -71,14 +70,14 @@ class SnapKVPolicy(SelectionPolicy):
     needs_queries = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        super().__post_init__()
         check_count(self.window, "window", 0)
         check_pooling(self.pooling, self.kernel_size)
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
-        keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
+        keep = self.kept_block_counts(inputs)
         return self.keep_top(inputs, keep)
 
     def keep_top(self, inputs: SelectionInputs, keep: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,12 @@ import torch
 
 from kernels.int_checks import check_count
 
-from .base import SelectionInputs, SelectionPolicy
-from .budget import Budget, budget_tokens, check_budget, keep_top_blocks, tokens_to_blocks
+from .base import BudgetPolicy, SelectionInputs
+from .budget import keep_top_blocks, tokens_to_blocks
 
 
 @dataclass(frozen=True)
-class StreamingPolicy(SelectionPolicy):
+class StreamingPolicy(BudgetPolicy):
     """Keep the sink blocks and fill the rest of the budget with the newest blocks.
 
     No scores and no queries.  Of the ``N_b = ceil(T_b / block_size)`` kept blocks (see
@@ -27,16 +27,15 @@ class StreamingPolicy(SelectionPolicy):
         sink_tokens: leading tokens always kept (StreamingLLM keeps 4).
     """
 
-    budget: Budget
     sink_tokens: int = 4
     name = "streaming"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        super().__post_init__()
         check_count(self.sink_tokens, "sink_tokens", 0)
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
-        keep = tokens_to_blocks(budget_tokens(self.budget, inputs.seqlens), inputs.block_size)
+        keep = self.kept_block_counts(inputs)
         sink = inputs.first_blocks(tokens_to_blocks(self.sink_tokens, inputs.block_size))
         newest_first = torch.arange(inputs.num_blocks, device=inputs.k.device, dtype=torch.float64)
         scores = newest_first.expand(*inputs.k.shape[:2], -1)
