@@ -3,9 +3,11 @@
 # schedule (pytest -m gpu), compute-sanitizer memcheck on a representative run (paged and contiguous, ragged, ART
 # with splits), then the benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
-# and memcheck; SKIP_BENCH=1 stops after them.  The captured layer $CAPTURE (default
-# .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it with the device
-# runner's carry).  A capture folder stored in float16 holds such files, one per layer; make one on the CPU with
+# and memcheck; SKIP_BENCH=1 stops after them; TESTS_K=<pytest -k expression> runs only the GPU tests it selects
+# (TESTS_K='per_pair or on_the_gpu' SKIP_BENCH=1: those tests and memcheck, a short call).  The captured layer
+# $CAPTURE (default .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it
+# with the device runner's carry).  A capture folder stored in float16 holds such files, one per layer; make one on
+# the CPU with
 #   art-analysis capture --context 8192 --decode-steps 8 --source stdlib --dtype float16 --out captures/smollm2-8k
 #   cp captures/smollm2-8k/layer_015.safetensors .carry/smollm2_layer15_ctx8192.safetensors
 # A capture of several sequences (add --seed 1 --batch 8) gives each batch row of the tiled layer its own
@@ -25,9 +27,11 @@ mkdir -p "$out_dir"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$out_dir/decode_gpu_state.txt"
+select=()
+[ -n "${TESTS_K:-}" ] && select=(-k "$TESTS_K")
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    python3 -m pytest -q -m gpu -s tests/test_art_decode.py tests/test_art_decode_errors.py tests/test_walk_hint.py \
-        tests/test_kernel_attention.py \
+    python3 -m pytest -q -m gpu -s "${select[@]}" tests/test_art_decode.py tests/test_art_decode_errors.py \
+        tests/test_walk_hint.py tests/test_kernel_attention.py \
         tests/test_art_decode_compiles.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
 fi
 memcheck_run='
