@@ -62,3 +62,22 @@ def test_gpu_decode_refuses_to_resume_from_a_result_bench_resume_would_not_find(
     assert result.returncode == 2
     assert "continues a result named <date>-art-decode.json" in result.stderr
     assert not (out / "decode_bench.log").exists() and not (out / "resume.json").exists()
+
+
+def test_gpu_decode_runs_only_the_gpu_tests_tests_k_selects(tmp_path):
+    """``TESTS_K`` reaches pytest's ``-k``: a short call runs a subset of the GPU tests and memcheck (here, without
+    a GPU, hidden where there is one, the selected tests are collected and skipped, the rest deselected)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "SKIP_BENCH": "1", "CUDA_VISIBLE_DEVICES": ""}
+    logs = {}
+    for name, select in (("subset", {"TESTS_K": "per_pair_splits or on_the_gpu"}), ("all", {})):
+        out = tmp_path / name
+        result = subprocess.run(["bash", str(root / "scripts" / "gpu_decode.sh")], capture_output=True, text=True,
+                                cwd=root, env={**env, **select, "OUT": str(out)})
+        assert result.returncode == 0, result.stderr
+        logs[name] = (out / "decode_gpu_tests.log").read_text()
+    subset = re.search(r"(\d+) skipped, (\d+) deselected", logs["subset"])
+    every = re.search(r"(\d+) skipped, (\d+) deselected", logs["all"])
+    assert subset and every, (logs["subset"], logs["all"])
+    assert int(subset.group(1)) == 4 and int(every.group(1)) > 4
+    assert int(subset.group(1)) + int(subset.group(2)) == int(every.group(1)) + int(every.group(2))
