@@ -66,8 +66,9 @@ A lone walk is latency-bound (1.20 us per block at D = 128, 0.94 at D = 64; V26)
 must run to step ``T`` cannot end before ``T`` block times, however few blocks it reads, and it stops well
 after its earliest possible step (:func:`kernels.split_plan.earliest_stop_steps`, 17 steps for ``ARTConfig()``;
 mean walks of 33-41 blocks on the synthetic caches and 63-86 on the SmolLM2 layer of 8 sequences, V72's run at
-B = 128).  A call cannot end before its longest walk, and only the data knows that length: the caller can pass it (``longest_stop_steps``, e.g. the longest
-walk of the layer's previous call, which ``walk_hint`` carries), else it is taken as ``ART_STOP_MARGIN`` (2)
+B = 128).  A call cannot end before its longest walk, and only the data knows that length: the caller can pass it
+(``longest_stop_steps``, e.g. the longest walk of the layer's previous call, which ``walk_hint`` carries), else it
+is taken as ``ART_STOP_MARGIN`` (2)
 earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at 8k-128k) but
 not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-128k).  Hence the default
 (:func:`kernels.split_plan.choose_split_plan`): the dense split count, and

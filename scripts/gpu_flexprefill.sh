@@ -20,7 +20,8 @@ extra=()
 # `art-analysis bench-compare`)
 baseline_dir=$(mktemp -d)
 cp benchmarks/results/*.json "$baseline_dir/" 2>/dev/null
-python3 -m kernels.bench_flexprefill --out "$out_dir" --sweep-configs "${extra[@]}" 2>&1 | tee "$out_dir/flexprefill_bench.log"
+python3 -m kernels.bench_flexprefill --out "$out_dir" --sweep-configs "${extra[@]}" 2>&1 \
+    | tee "$out_dir/flexprefill_bench.log"
 new_result=$(ls "$out_dir"/*-flexprefill.json 2>/dev/null | sort | tail -n 1)
 if [ -n "$new_result" ]; then
     python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' bench-compare \
