@@ -371,7 +371,7 @@ class KVCapture:
             raise FileNotFoundError(f"{str(src)!r} is not a capture folder: {METADATA_FILE} is missing")
         try:
             metadata = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{str(meta_path)!r} is not valid JSON ({exc}); "
                              "the capture's metadata is damaged") from exc
         if not isinstance(metadata, dict):

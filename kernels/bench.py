@@ -223,12 +223,35 @@ def tiled_capture(path: str | os.PathLike, batch: int, seqlen: int, device: torc
     return q.contiguous(), k[sequence].contiguous(), v[sequence].contiguous()
 
 
-def decode_query_shape(path: str | os.PathLike) -> tuple[int, int, int, int]:
-    """``(B0, Hq, steps, D)`` of a captured layer's ``decode_q``, read from the file's header."""
-    from safetensors import safe_open
+CAPTURED_LAYER_DTYPES = ("F16", "BF16", "F32")   # safetensors' names of the float dtypes a captured layer holds
 
-    with safe_open(str(path), framework="pt") as tensors:
-        return tuple(tensors.get_slice("decode_q").get_shape())
+
+def decode_query_shape(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """``(B0, Hq, steps, D)`` of a captured layer's ``decode_q``, read from the file's header after checking that the
+    file is a captured layer: float ``k, v [B0, Hkv, S0, D]`` and ``decode_q [B0, Hq, steps, D]`` with ``Hq`` a
+    multiple of ``Hkv``; ``FileNotFoundError`` or ``ValueError`` naming the file otherwise."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"the captured layer {path} is not a file")
+    expected = ("a captured layer (a capture folder's layer_NNN.safetensors, e.g. of `art-analysis capture --dtype "
+                "float16`): float k, v [B0, Hkv, S0, D] and decode_q [B0, Hq, steps, D]")
+    try:
+        with safe_open(str(path), framework="pt") as tensors:
+            names = set(tensors.keys())
+            if not {"k", "v", "decode_q"} <= names:
+                raise ValueError(f"{path} holds {sorted(names)}; expected {expected}")
+            header = {name: tensors.get_slice(name) for name in ("k", "v", "decode_q")}
+            shapes = {name: tuple(piece.get_shape()) for name, piece in header.items()}
+            dtypes = {name: piece.get_dtype() for name, piece in header.items()}
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc}); expected {expected}") from exc
+    k, v, q = shapes["k"], shapes["v"], shapes["decode_q"]
+    fits = (len(k) == 4 and v == k and len(q) == 4 and min(k + q) >= 1 and q[0] == k[0] and q[3] == k[3]
+            and q[1] % k[1] == 0 and all(dtype in CAPTURED_LAYER_DTYPES for dtype in dtypes.values()))
+    if not fits:
+        raise ValueError(f"{path} holds k {k}, v {v}, decode_q {q} of dtypes {dtypes}; expected {expected}")
+    return q
 
 
 def capture_queries(path: str | os.PathLike) -> int:
@@ -861,6 +884,8 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
         raise RuntimeError("the decode benchmark needs a CUDA device")
     if not isinstance(art, ARTParams):
         raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
+    if capture is not None:
+        decode_query_shape(capture)   # a damaged or wrong file stops the run before anything is timed
     device = torch.device("cuda")
     rep_ms = 50 if quick else 100
     batches, lengths = (QUICK_BATCHES, QUICK_LENGTHS) if quick else (BATCHES, LENGTHS)

@@ -73,6 +73,9 @@ def load_run(path: str | os.PathLike) -> dict:
             rows = [row for loop in rows for row in loop["rows"]]
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise damaged
+    for key in ("source", "summary"):
+        if payload.get(key) is not None and not isinstance(payload[key], dict):
+            raise ValueError(f"benchmark result {path}: {key} must be an object, got {payload[key]!r}")
     return payload
 
 
@@ -80,8 +83,8 @@ def baseline_in(folder: str | os.PathLike, new: dict, new_path: str | os.PathLik
     """The baseline for ``new`` (a payload of :func:`load_run`) among the results in ``folder``: the newest by
     ``date`` of the complete runs (not marked ``"complete": false``) of ``new``'s suite measured on ``new``'s device
     with its ``quick`` setting, other than ``new_path``.  Files that are not such results (A/B studies, damaged
-    JSON) are passed over.  ``FileNotFoundError`` or ``ValueError`` where ``folder`` is not a folder or holds no
-    such run."""
+    JSON, folders and links to nothing named ``*.json``) are passed over.  ``FileNotFoundError`` or ``ValueError``
+    where ``folder`` is not a folder or holds no such run."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"baseline folder {folder} is not a folder")
@@ -92,7 +95,7 @@ def baseline_in(folder: str | os.PathLike, new: dict, new_path: str | os.PathLik
             continue
         try:
             payload = load_run(path)
-        except ValueError:
+        except (ValueError, OSError):    # not a result, or not a readable file (a folder named *.json)
             continue
         if (payload["suite"] == new["suite"] and payload.get("device") == new.get("device")
                 and payload.get("complete") is not False and payload.get("quick") == new.get("quick")):

@@ -132,8 +132,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
         raise RuntimeError("the decode-loop benchmark needs a CUDA device")
     if not isinstance(art, ARTParams):
         raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
-    if not Path(capture).is_file():
-        raise FileNotFoundError(f"the captured layer {capture} is not a file")
+    decode_query_shape(capture)   # a damaged or wrong file stops the run before anything is timed
     device = torch.device("cuda")
     cases, rounds = (LOOP_CASES[:1], 1) if quick else (LOOP_CASES, ROUNDS)
     payload = {

@@ -45,6 +45,9 @@ TARGET_GAMMAS = (0.9, 0.95)   # the gammas the targets name; 0.85 and 0.99 are m
 ROUNDS = 3   # do_bench medians per row (their median is the row's time)
 
 
+SINK_TOKENS = 4   # the first keys of a sink head, which every query attends to
+
+
 def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int = 8, seqlen: int = 32768,
                        head_dim: int = 128, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                        device: str | torch.device = "cuda", sink: float = 11.0, local: float = 11.0,
@@ -56,7 +59,7 @@ def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int 
     a per-head direction ``w`` in the first ``D - R`` dims and a rotary code in the last
     ``R = min(32, D // 4)`` dims:
 
-    * sink: the first 4 keys get logit ``sink``; heavy hitters: ``N / 2048`` random keys get
+    * sink: the first ``SINK_TOKENS`` (4) keys get logit ``sink``; heavy hitters: ``N / 2048`` random keys get
       ``heavy`` (vertical lines);
     * local: queries and keys carry the same rotary code, so the logit is
       ``local * mean_f cos(theta_f (i - j))``, peaking at the diagonal (slash lines);
@@ -65,6 +68,9 @@ def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int 
     * everything else is noise of about ``noise`` logits.
     """
     check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim)
+    if seqlen <= SINK_TOKENS:
+        raise ValueError(f"seqlen must exceed the {SINK_TOKENS} sink tokens (heavy hitters are drawn after them), "
+                         f"got {seqlen}")
     gen = torch.Generator(device=device).manual_seed(seed)
     b, hkv, n, d = batch, num_kv_heads, seqlen, head_dim
     group = num_q_heads // num_kv_heads
@@ -90,9 +96,9 @@ def structured_prefill(batch: int = 1, num_q_heads: int = 32, num_kv_heads: int 
     code = torch.cat((angles.cos(), angles.sin()), dim=-1) * math.sqrt(local * math.sqrt(d) / (rot // 2))
 
     key_bias = torch.zeros(b, hkv, n, 1, device=device)
-    heavy_pos = torch.randint(4, n, (b, hkv, max(1, n // 2048)), generator=gen, device=device)
+    heavy_pos = torch.randint(SINK_TOKENS, n, (b, hkv, max(1, n // 2048)), generator=gen, device=device)
     key_bias.scatter_(2, heavy_pos[..., None], heavy * uses_heavy.expand(b, hkv, heavy_pos.shape[-1], 1))
-    key_bias[:, :, :4] = sink * uses_direction[..., :1, :]
+    key_bias[:, :, :SINK_TOKENS] = sink * uses_direction[..., :1, :]
 
     topics = torch.nn.functional.normalize(randn(b, hkv, num_topics, free), dim=-1)
     span_topic = torch.randint(0, num_topics, (b, hkv, -(-n // topic_span)), generator=gen, device=device)

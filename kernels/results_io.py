@@ -105,6 +105,8 @@ def read_result(path: str | os.PathLike, required: tuple[str, ...] = (), what: s
         payload = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} is not JSON text (not UTF-8: {exc.reason} at byte {exc.start})") from None
     if not isinstance(payload, dict):
         raise ValueError(f"{what} {path} holds a {type(payload).__name__}, not a JSON object")
     missing = [key for key in required if key not in payload]

@@ -652,6 +652,43 @@ def test_tiled_capture_cycles_over_sequences_then_decode_queries(tmp_path):
     assert torch.equal(q, decode_q[0, :, 2].expand(3, -1, -1).bfloat16())
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "is not a file"),
+    ("not_safetensors", "not a readable safetensors file"),
+    ("no_decode_q", r"holds \['k', 'v'\]; expected a captured layer"),
+    ("v_shape", r"v \(2, 1, 4, 2\)"),
+    ("heads", r"decode_q \(2, 3, 3, 2\)"),
+    ("int_values", "'I64'"),
+])
+def test_a_file_that_is_no_captured_layer_is_refused_before_anything_is_timed(tmp_path, monkeypatch, damage,
+                                                                               message):
+    from safetensors.torch import save_file
+
+    import kernels.bench as bench
+
+    path = tmp_path / "layer.safetensors"
+    k, decode_q = torch.zeros(2, 2, 5, 2, dtype=torch.float16), torch.zeros(2, 4, 3, 2, dtype=torch.float16)
+    tensors = {"k": k, "v": k.clone(), "decode_q": decode_q}
+    if damage == "not_safetensors":
+        path.write_text('{"k": [1, 2]}')
+    elif damage != "missing":
+        if damage == "no_decode_q":
+            del tensors["decode_q"]
+        elif damage == "v_shape":
+            tensors["v"] = torch.zeros(2, 1, 4, 2, dtype=torch.float16)
+        elif damage == "heads":
+            tensors["decode_q"] = torch.zeros(2, 3, 3, 2, dtype=torch.float16)
+        else:
+            tensors["k"], tensors["v"] = k.long(), k.long()
+        save_file(tensors, str(path))
+    calls = _fake_device_run(monkeypatch)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        bench.run(tmp_path / "out", True, art=ARTParams(), make_cache=None, capture=path)
+    assert calls["ceiling"] == 0 and calls["cases"] == [] and not (tmp_path / "out").exists()
+    save_file({"k": k, "v": k.clone(), "decode_q": decode_q}, str(path))
+    assert bench.decode_query_shape(path) == (2, 4, 3, 2)
+
+
 def test_paged_rows_time_each_layout_against_the_contiguous_one(monkeypatch):
     import itertools
 

@@ -124,6 +124,9 @@ def test_load_run_takes_only_results_of_the_bench_suites(tmp_path):
     broken.write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_run(broken)
+    broken.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"broken.json is not JSON text \(not UTF-8: invalid start byte at byte 0\)"):
+        load_run(broken)
     path = tmp_path / "other.json"
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="other.json holds a list, not a JSON object"):
@@ -135,7 +138,9 @@ def test_load_run_takes_only_results_of_the_bench_suites(tmp_path):
     for payload, message in (({"suite": "decode", "rows": {"a": 1}}, "rows must be a list of objects"),
                              ({"suite": "decode", "paged": [1]}, "paged must be a list of objects"),
                              ({"suite": "decode-loop", "loops": [{"seqlen": 8}]},
-                              r"loops must be a list of objects \(loops, each with rows\)")):
+                              r"loops must be a list of objects \(loops, each with rows\)"),
+                             ({"suite": "decode", "source": "abc123"}, "source must be an object, got 'abc123'"),
+                             ({"suite": "decode", "summary": [1, 2]}, r"summary must be an object, got \[1, 2\]")):
         path.write_text(json.dumps(payload))
         with pytest.raises(ValueError, match=message):
             load_run(path)
@@ -220,6 +225,9 @@ def test_a_folder_as_baseline_gives_the_newest_complete_run_of_the_same_suite_de
     for name, payload in files.items():
         (folder / name).write_text(json.dumps(payload))
     (folder / "i-damaged.json").write_text("{")
+    (folder / "j-folder.json").mkdir()                          # neither a folder nor a link to nothing is a result
+    (folder / "k-dangling.json").symlink_to(tmp_path / "nowhere.json")
+    (folder / "l-not-text.json").write_bytes(b"\xff\xfe{")
     new_path = folder / "z-new.json"          # the new run itself lies in the folder and is not its own baseline
     new_path.write_text(json.dumps(new))
     assert baseline_in(folder, new, new_path) == folder / "b-h100-newer.json"

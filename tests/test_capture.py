@@ -275,9 +275,10 @@ def test_load_rejects_a_folder_that_is_not_a_capture(tmp_path):
     ("{\"format_version\": 1, ", "is not valid JSON .*the capture's metadata is damaged"),
     ("[1, 2]", "holds a list, not a capture's metadata object"),
     ("{\"format_version\": 1}", "lists no layers"),
+    (b"\xff\xfe{}", "is not valid JSON .*can't decode byte 0xff.*the capture's metadata is damaged"),
 ])
 def test_load_names_damaged_metadata(tmp_path, text, message):
-    (tmp_path / "metadata.json").write_text(text)
+    (tmp_path / "metadata.json").write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError, match=message):
         KVCapture.load(tmp_path)
 
@@ -465,6 +466,32 @@ def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path):
     assert json.loads(out.read_text())[0]["rel_error"] == pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-6)
     default = gamma_sweep(*prefill, [0.5], block_size=16, min_budget=16)
     assert float(default.rel_error[0].mean()) != pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-3)
+
+
+def test_figures_on_a_capture_name_it_by_its_folder_and_check_the_output_before_the_studies(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from art_analysis.cli import figures
+
+    folder = tmp_path / "my-capture"
+    _write_small_capture(folder)
+    (tmp_path / "no-results").mkdir()
+    studied = []
+
+    def record(source, name, **kwargs):
+        studied.append(name)
+        raise ValueError("studies stopped here")
+
+    monkeypatch.setattr(figures, "run_studies", record)
+    monkeypatch.chdir(folder)
+    # the capture given as "." is named by its folder, and its figures default to figures/<that name>
+    assert cli_main(["figures", "--capture", ".", "--benchmarks", str(tmp_path / "no-results")]) == 2
+    assert studied == ["my-capture"] and (folder / "figures" / "my-capture").is_dir()
+    # a default output folder that cannot be made stops the command before the studies, naming it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "figures").write_text("a file where the figures folder would go")
+    assert cli_main(["figures", "--capture", str(folder), "--benchmarks", str(tmp_path / "no-results")]) == 2
+    assert "--out 'figures/my-capture': cannot make the folder" in capsys.readouterr().err
+    assert studied == ["my-capture"]
 
 
 def _corpus_folder(root, model: str, path=None, **changes):

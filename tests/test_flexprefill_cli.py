@@ -59,6 +59,7 @@ def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):
     assert "missing.json is not a file" in capsys.readouterr().err
     for option, value, message in (("--heads", "3/2", "num_q_heads % num_kv_heads must be 0, got 3 and 2"),
                                    ("--seqlen", "0", "seqlen must be a positive int, got 0"),
+                                   ("--seqlen", "4", "seqlen must exceed the 4 sink tokens"),
                                    ("--head-dim", "0", "head_dim must be a positive int, got 0")):
         arguments = {"--heads": "2/1", "--seqlen": "128", "--head-dim": "64", option: value}
         assert main(["flexprefill", *[x for pair in arguments.items() for x in pair], "--block-size", "32",

@@ -354,7 +354,7 @@ def test_figures_command_names_a_damaged_benchmark_result_before_writing_anythin
                  "--out", str(out)]) == 2
     assert "stored art-decode result" in (err := capsys.readouterr().err) and "2026-12-02-art-decode.json" in err
     assert "is not valid JSON" in err
-    assert not out.exists() or not any(out.iterdir())
+    assert not any(out.iterdir())
     (results / "2026-12-02-art-decode.json").write_text("{\"summary\": {}}")
     assert main(["figures", "--synthetic", "realistic", "--quick", "--benchmarks", str(results),
                  "--out", str(out)]) == 2
@@ -386,6 +386,15 @@ DECODE_RESULT = {"suite": "decode", "device": "GPU", "date": "2026-12-05", "copy
      ": summary lacks split_choice_agreement"),
     ("flexprefill", {"suite": "flexprefill", "rows": [{"method": "sdpa", "data": "structured", "seqlen": 1024}]},
      ": rows[0] lacks ms"),
+    ("flexprefill", {"suite": "flexprefill", "rows": [{"method": "sdpa", "data": "structured", "seqlen": 1024,
+                                                       "ms": None}]},
+     ": rows[0].ms must be a finite number, got None"),
+    ("flexprefill", {"suite": "flexprefill", "rows": [{"method": "flexprefill", "data": "structured",
+                                                       "seqlen": 1024, "ms": 1.0, "gamma": "0.9"}]},
+     ": rows[0].gamma must be a finite number, got '0.9'"),
+    ("art-decode", {**DECODE_RESULT, "copy_ceiling_tb_per_s": True}, ": copy_ceiling_tb_per_s must be a finite number"),
+    ("art-decode", {**DECODE_RESULT, "rows": [{**DECODE_ROW, "loaded_fraction": "half"}]},
+     ": rows[0].loaded_fraction must be a finite number, got 'half'"),
 ])
 def test_benchmark_results_are_checked_for_every_entry_their_figures_read(kind, payload, message, tmp_path,
                                                                           monkeypatch, capsys):
@@ -453,9 +462,14 @@ def test_studies_refuse_inputs_too_short_for_the_policy_study_before_any_work(mo
 @pytest.mark.parametrize("argv, message", [
     (["evaluate", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["evaluate", "--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["evaluate", "--backend", "kernel", "--group", "head"], "leave out --group head or use --backend simulator"),
+    (["evaluate", "--backend", "kernel_single_walk", "--block-size", "32"],
+     "walks 64-token blocks in the sink_recency order; got --block-size 32 --order sink_recency"),
+    (["evaluate", "--backend", "kernel", "--order", "importance"], "got --block-size 64 --order importance"),
     (["capture", "--depth", "2", "--source", "passkey"], "--depth must lie in [0, 1], got 2.0"),
     (["reproduce", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["reproduce", "--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
+    (["reproduce", "--context", "0"], "--context must be at least 256 tokens, got 0"),
 ])
 def test_commands_check_their_options_before_loading_the_model(argv, message, tmp_path, monkeypatch, capsys):
     from art_analysis import models
@@ -473,6 +487,9 @@ def test_capture_layer_lists_are_indices(capsys):
     with pytest.raises(SystemExit):
         main(["capture", "--prefill-layers", "0,-1", "--out", "x"])
     assert "layer indices must be >= 0, got '0,-1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["capture", "--prefill-layers", ",,", "--out", "x"])
+    assert "layer indices like 0,15,29, got ',,'" in capsys.readouterr().err
 
 
 def test_figures_command_needs_one_source(capsys):

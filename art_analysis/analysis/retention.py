@@ -167,6 +167,16 @@ KERNEL_BACKENDS = {"kernel": " (kernel)", "kernel_single_walk": " (kernel, singl
 KERNEL_ORDERS = ("sequential", "sink_recency")
 
 
+def check_backend(backend: str, block_size: int, order: str) -> None:
+    """``backend`` must be one of ``BACKENDS``, and a kernel backend walks 64-token blocks in one of
+    ``KERNEL_ORDERS``; ``ValueError`` otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in KERNEL_BACKENDS and (block_size != 64 or order not in KERNEL_ORDERS):
+        raise ValueError(f"the kernel backend walks 64-token blocks in order {' or '.join(KERNEL_ORDERS)}; got "
+                         f"block_size={block_size}, order={order!r}")
+
+
 def runs_on_kernel(rule: Rule | None) -> bool:
     """Whether ``backend="kernel"`` decodes ``rule`` through the Triton kernel: an ART rule the kernel implements
     (:meth:`~art_analysis.termination.ARTConfig.kernel_params`: ``group="all"``, named probe dims)."""
@@ -247,11 +257,7 @@ def compare_generation(model, tokenizer, prompts: Sequence[Prompt], rules: Mappi
         raise ValueError(f"a prompt of {longest} tokens and {max_new_tokens} new tokens take "
                          f"{longest + max_new_tokens - 1} positions, past the model's maximum "
                          f"(max_position_embeddings={max_positions})")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in KERNEL_BACKENDS and (block_size != 64 or order not in KERNEL_ORDERS):
-        raise ValueError(f"the kernel backend walks 64-token blocks in order {' or '.join(KERNEL_ORDERS)}; got "
-                         f"block_size={block_size}, order={order!r}")
+    check_backend(backend, block_size, order)
     rules = {"dense": None, **{name: rule for name, rule in rules.items() if name != "dense"}}
     names, steps = list(rules), max_new_tokens - 1
     walk = dict(block_size=block_size, order=order, backend=backend)

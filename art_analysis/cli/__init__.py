@@ -29,13 +29,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError, ImportError) as exc:
-        print(f"art-analysis {args.command}: error: {exc}", file=sys.stderr)
+        print(f"art-analysis {args.command}: error: {error_message(exc)}", file=sys.stderr)
+        return 2
+    except OverflowError as exc:
+        print(f"art-analysis {args.command}: error: a number is too large ({exc}); choose smaller sizes",
+              file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as exc:
         if not out_of_memory(exc):
             raise
         print(f"art-analysis {args.command}: error: out of memory ({exc}); choose smaller sizes", file=sys.stderr)
         return 2
+
+
+def error_message(exc: BaseException) -> str:
+    """``exc``'s message without the C++ stack that PyTorch's own errors carry after it."""
+    return str(exc).split("\nException raised from ")[0]
 
 
 def out_of_memory(exc: BaseException) -> bool:

@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     check_output_folder(args.out, "--out")
     check_output_file(args.figure, "--figure")
-    if args.capture is not None and not args.capture.is_file():
-        raise FileNotFoundError(f"--capture {args.capture} is not a file")
+    if args.capture is not None:
+        from kernels.bench import decode_query_shape
+
+        decode_query_shape(args.capture)
     if args.suite == "decode-loop" and args.capture is None:
         raise ValueError("--suite decode-loop replays a captured layer's decode steps: pass --capture "
                          "(a capture folder's layer_NNN.safetensors)")

@@ -27,6 +27,9 @@ def _layer_list(value: str) -> list[int]:
         layers = [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,15,29, got {value!r}")
+    if not layers:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,15,29, got {value!r} (leave "
+                                         f"the option out to record no prefill queries)")
     if any(layer < 0 for layer in layers):
         raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {value!r}")
     return layers

@@ -19,7 +19,7 @@ import torch
 
 from kernels.results_io import write_json_atomic
 
-from ..analysis.retention import BACKENDS, KERNEL_BACKENDS
+from ..analysis.retention import BACKENDS, KERNEL_BACKENDS, check_backend, runs_on_kernel
 from ..table import format_table
 from ..termination import ARTConfig, MassCoverage
 from .art_options import add_art_options, art_config_from_args
@@ -81,6 +81,15 @@ def run(args: argparse.Namespace) -> int:
     rules = evaluation_rules(art_config_from_args(args))
     check_output_file(args.json, "--json")
     on_kernel = args.backend in KERNEL_BACKENDS
+    try:
+        check_backend(args.backend, args.block_size, args.order)
+    except ValueError as exc:
+        raise ValueError(f"--backend {args.backend} walks 64-token blocks in the sink_recency order; got "
+                         f"--block-size {args.block_size} --order {args.order}") from exc
+    if on_kernel and not runs_on_kernel(rules["art"]):
+        raise ValueError(f"--backend {args.backend} decodes ART rules the kernel implements (--group all); the "
+                         f"configured rule would decode through the simulator: leave out --group "
+                         f"{rules['art'].group} or use --backend simulator")
     if on_kernel and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"--backend {args.backend} runs the Triton kernel on a CUDA device, or on the CPU in "
                          "Triton's interpreter: set TRITON_INTERPRET=1 in the environment to run it here")

@@ -18,6 +18,7 @@ from typing import Callable
 import pandas as pd
 from tqdm import tqdm
 
+from kernels.int_checks import is_finite_real
 from kernels.results_io import RESULTS_DIR, latest_result, read_result, write_json_atomic
 
 from ..analysis.ablation import ABLATION_COLUMNS, ABLATION_FORMATS, ablation_table
@@ -150,12 +151,13 @@ def draw_figures(studies: CaptureStudies, out: Path) -> dict[str, Path]:
 @dataclass(frozen=True)
 class Reads:
     """What a figure reads of a JSON object, or of each object of a JSON list that passes ``only`` (default: every
-    one): the entries ``keys``, and for each ``(entry, reads)`` of ``inner`` what it reads of that entry's value where
-    the entry is there."""
+    one): the entries ``keys``, those of them it draws as numbers (``numbers``: each must be a finite number), and for
+    each ``(entry, reads)`` of ``inner`` what it reads of that entry's value where the entry is there."""
 
     keys: tuple[str, ...] = ()
     inner: tuple[tuple[str, Reads], ...] = ()
     only: Callable[[dict], bool] | None = None
+    numbers: tuple[str, ...] = ()
 
 
 def _timed(row: dict) -> bool:
@@ -174,6 +176,9 @@ def _lacking(value, reads: Reads, where: str) -> str | None:
         missing = [key for key in reads.keys if key not in item]
         if missing:
             return f"{at} lacks {', '.join(missing)}"
+        for key in reads.numbers:
+            if not is_finite_real(item[key]):
+                return f"{at + '.' if at else ''}{key} must be a finite number, got {item[key]!r}"
         for key, inner in reads.inner:
             if key in item and (gap := _lacking(item[key], inner, f"{at}.{key}" if at else key)):
                 return gap
@@ -183,9 +188,12 @@ def _lacking(value, reads: Reads, where: str) -> str | None:
 # the stored results the benchmark figures are drawn from: the suite each is written as (None: one without a suite)
 # and what its figure reads (art_analysis.plots: kernel_speed, decode_loop, walk_persistence, flexprefill)
 BENCHMARK_FIGURE_INPUTS = {
-    "art-decode": ("decode", Reads(("rows", "copy_ceiling_tb_per_s", "device", "date"), inner=(
-        ("rows", Reads(("impl", "data", "batch", "seqlen", "tb_per_s"), only=_timed)),
-        ("rows", Reads(("loaded_fraction",), only=lambda row: _timed(row) and row.get("impl") == "art")),
+    "art-decode": ("decode", Reads(("rows", "copy_ceiling_tb_per_s", "device", "date"),
+                                   numbers=("copy_ceiling_tb_per_s",), inner=(
+        ("rows", Reads(("impl", "data", "batch", "seqlen", "tb_per_s"), only=_timed,
+                       numbers=("batch", "seqlen", "tb_per_s"))),
+        ("rows", Reads(("loaded_fraction",), only=lambda row: _timed(row) and row.get("impl") == "art",
+                       numbers=("loaded_fraction",))),
         ("dense_batches", Reads(("impl",))),
         ("dense_batches", Reads(("batch", "seqlen"), only=lambda row: "speedup_vs_best_peer" in row)),
         ("paged", Reads(("impl", "batch", "seqlen"),
@@ -197,8 +205,9 @@ BENCHMARK_FIGURE_INPUTS = {
         ("summary", Reads(("rank_correlation", "split_choice_agreement"))),))),
     "flexprefill": ("flexprefill", Reads(("rows",), inner=(
         ("rows", Reads(("method",))),
-        ("rows", Reads(("data", "seqlen", "ms"), only=lambda row: row.get("method") in ("flexprefill", "sdpa"))),
-        ("rows", Reads(("gamma",), only=lambda row: row.get("method") == "flexprefill")),
+        ("rows", Reads(("data", "seqlen", "ms"), only=lambda row: row.get("method") in ("flexprefill", "sdpa"),
+                       numbers=("seqlen", "ms"))),
+        ("rows", Reads(("gamma",), only=lambda row: row.get("method") == "flexprefill", numbers=("gamma",))),
     ))),
 }
 
@@ -300,11 +309,14 @@ def run(args: argparse.Namespace) -> int:
     if args.capture is not None:
         from ..capture import KVCapture
 
-        source, name = KVCapture.load(args.capture), args.capture.name
+        # the capture folder's own name, also where it is given as "." or ends in ".."
+        source, name = KVCapture.load(args.capture), args.capture.resolve().name
     else:
         source, name = synthetic_cache(1, 8, 2, 2048 if args.quick else 8192, 64, preset=args.synthetic,
                                        seed=0), f"synthetic-{args.synthetic}"
-    out = args.out or Path("figures") / name
+    # the default folder, named by the source, checked before the studies run: one that cannot be written would
+    # lose them
+    out = check_output_folder(args.out or Path("figures") / name, "--out")
     studies = run_studies(source, name, block_size=args.block_size, step=args.step, quick=args.quick)
     figures = draw_figures(studies, out)
     figures.update(draw_benchmark_figures(benchmark_results, out))

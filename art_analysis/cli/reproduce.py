@@ -63,7 +63,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    context = args.context or (1024 if args.quick else 4096)
+    context = args.context if args.context is not None else (1024 if args.quick else 4096)
     if context < 256:
         raise ValueError(f"--context must be at least 256 tokens, got {context}")
     for option, value in (("--block-size", args.block_size), ("--decode-steps", args.decode_steps)):
