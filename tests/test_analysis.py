@@ -61,6 +61,12 @@ def test_simulate_command_prints_the_rule_table(capsys, tmp_path):
 def test_simulate_command_reports_bad_input(capsys):
     assert main(["simulate", "--heads", "4/3", "--seqlen", "64"]) == 2
     assert "num_q_heads % num_kv_heads" in capsys.readouterr().err
+    # the capture's own options are refused on a synthetic cache, not ignored
+    assert main(["simulate", "--seqlen", "64", "--step", "0"]) == 2
+    assert "--step chooses within a capture; pass --capture DIR" in capsys.readouterr().err
+    # sizes past what PyTorch can index are an error, not a traceback
+    assert main(["simulate", "--seqlen", str(2 ** 70)]) == 2
+    assert "a number is too large" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")

@@ -411,7 +411,7 @@ def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
     assert (tmp_path / "copy").stat().st_mode & 0o777 == (tmp_path / "cap").stat().st_mode & 0o777
 
 
-def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path):
+def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path, capsys):
     from art_analysis.analysis.inputs import decode_inputs
     from art_analysis.analysis.walk_persistence import decode_walks
     from art_analysis.blockwise import blockwise_attention
@@ -442,6 +442,10 @@ def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path):
     out = tmp_path / "rows.json"
     assert cli_main(["simulate", "--capture", str(folder), "--block-size", "16", "--json", str(out)]) == 0
     assert json.loads(out.read_text()) == summarize(expected, standard_rules())
+    # an option of the synthetic cache is refused beside a capture, not ignored
+    assert cli_main(["simulate", "--capture", str(folder), "--seqlen", "64", "--seed", "1"]) == 2
+    assert ("--seqlen, --seed describe a synthetic cache; --capture simulates the captured one"
+            in capsys.readouterr().err)
     assert cli_main(["simulate", "--capture", str(folder), "--block-size", "16", "--policy", "coverage:gamma=0.8",
                      "--json", str(out)]) == 0
     walks = [simulate_policy(make("coverage", gamma=0.8, sm_scale=0.9), q, k, v, queries=cap.layer(layer)[0],

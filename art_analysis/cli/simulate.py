@@ -17,20 +17,25 @@ from .head_counts import parse_head_counts
 from .output_paths import check_output_file
 
 
+# the synthetic cache's options and their defaults (``None`` on the parser, so that one given beside --capture shows)
+SYNTHETIC_DEFAULTS = {"synthetic": "realistic", "batch": 1, "heads": "32/8", "seqlen": 8192, "head_dim": 128,
+                      "seed": 0}
+SYNTHETIC_HELP = {"synthetic": "preset", "batch": "sequences", "heads": "query/KV heads", "seqlen": "tokens",
+                  "head_dim": "head dim", "seed": "random seed"}
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("simulate", help="simulate block-wise decode attention and the stopping rules",
                                    description=__doc__)
     source = parser.add_argument_group("input (a captured cache, or a synthetic one)")
     source.add_argument("--capture", type=Path, help="a capture folder written by `art-analysis capture`")
     source.add_argument("--layer", type=int, default=None, help="layer of the capture (default: all layers)")
-    source.add_argument("--step", type=int, default=-1,
+    source.add_argument("--step", type=int, default=None,
                         help="decode step of the capture; negative counts from the end (default: the last)")
-    source.add_argument("--synthetic", choices=sorted(PRESETS), default="realistic")
-    source.add_argument("--batch", type=int, default=1)
-    source.add_argument("--heads", default="32/8", help="query/KV heads of the synthetic cache")
-    source.add_argument("--seqlen", type=int, default=8192)
-    source.add_argument("--head-dim", type=int, default=128)
-    source.add_argument("--seed", type=int, default=0)
+    for name, default in SYNTHETIC_DEFAULTS.items():
+        kind = dict(choices=sorted(PRESETS)) if name == "synthetic" else {} if name == "heads" else dict(type=int)
+        source.add_argument(f"--{name.replace('_', '-')}", default=None,
+                            help=f"{SYNTHETIC_HELP[name]} of the synthetic cache (default: {default})", **kind)
     walk = parser.add_argument_group("walk")
     walk.add_argument("--block-size", type=int, default=64)
     walk.add_argument("--order", choices=ORDERS[:3], default="sink_recency")
@@ -72,14 +77,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _inputs(args) -> list[DecodeInput]:
     """The decode calls to simulate: every layer (or ``--layer``) of the capture at ``--step``, at the model's
-    softmax scale, or the synthetic cache as one layer (layer-wise budgets reduce to the uniform one)."""
+    softmax scale, or the synthetic cache as one layer (layer-wise budgets reduce to the uniform one).  An option of
+    the other source is refused rather than ignored."""
     if args.capture is not None:
         from ..capture import KVCapture
 
+        given = [f"--{name.replace('_', '-')}" for name in SYNTHETIC_DEFAULTS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} a synthetic cache; "
+                             f"--capture simulates the captured one")
         capture = KVCapture.load(args.capture)
         if args.layer is not None:
             capture = capture.select(layers=[args.layer])
-        return decode_inputs(capture, args.step)
-    q_heads, kv_heads = parse_head_counts(args.heads)
-    return decode_inputs(synthetic_cache(args.batch, q_heads, kv_heads, args.seqlen, args.head_dim,
-                                         preset=args.synthetic, seed=args.seed))
+        return decode_inputs(capture, -1 if args.step is None else args.step)
+    given = [option for option, value in (("--layer", args.layer), ("--step", args.step)) if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'chooses' if len(given) == 1 else 'choose'} within a capture; pass "
+                         f"--capture DIR")
+    synthetic = {name: SYNTHETIC_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+                 for name in SYNTHETIC_DEFAULTS}
+    q_heads, kv_heads = parse_head_counts(synthetic["heads"])
+    return decode_inputs(synthetic_cache(synthetic["batch"], q_heads, kv_heads, synthetic["seqlen"],
+                                         synthetic["head_dim"], preset=synthetic["synthetic"], seed=synthetic["seed"]))
