@@ -57,6 +57,9 @@ def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):
     assert main(["flexprefill", "--heads", "2/1", "--seqlen", "128", "--block-size", "32", "--out", str(tmp_path),
                  "--bench-json", str(tmp_path / "missing.json")]) == 2
     assert "missing.json is not a file" in capsys.readouterr().err
+    assert main(["flexprefill", "--heads", "2/1", "--seqlen", "128", "--block-size", "32", "--layers", "3",
+                 "--out", str(tmp_path)]) == 2
+    assert "--layers chooses among a capture's prefill layers; pass --capture DIR" in capsys.readouterr().err
     for option, value, message in (("--heads", "3/2", "num_q_heads % num_kv_heads must be 0, got 3 and 2"),
                                    ("--seqlen", "0", "seqlen must be a positive int, got 0"),
                                    ("--seqlen", "4", "seqlen must exceed the 4 sink tokens"),

@@ -106,6 +106,8 @@ def _inputs(args):
         return
     from kernels.bench_flexprefill import structured_prefill
 
+    if args.layers is not None:
+        raise ValueError("--layers chooses among a capture's prefill layers; pass --capture DIR")
     q_heads, kv_heads = parse_head_counts(args.heads)
     q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
                                  dtype=torch.float32, device="cpu")
