@@ -448,6 +448,8 @@ def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path, capsy
             in capsys.readouterr().err)
     assert cli_main(["simulate", "--capture", str(folder), "--block-size", "16", "--policy", "coverage:gamma=0.8",
                      "--json", str(out)]) == 0
+    assert "after coverage:gamma=0.8: loaded_fraction and the errors are of the walk over the blocks the policy kept" \
+        in capsys.readouterr().out
     walks = [simulate_policy(make("coverage", gamma=0.8, sm_scale=0.9), q, k, v, queries=cap.layer(layer)[0],
                              layer=layer, num_layers=2, block_size=16, cache_seqlens=n, sm_scale=0.9).trace
              for layer, (q, k, v, n) in last.items()]

@@ -495,6 +495,8 @@ def test_capture_layer_lists_are_indices(capsys):
 def test_figures_command_needs_one_source(capsys):
     assert main(["figures"]) == 2
     assert "exactly one of --capture" in capsys.readouterr().err
+    assert main(["figures", "--synthetic", "realistic", "--step", "3"]) == 2
+    assert "--step chooses a decode step of a capture; pass --capture DIR" in capsys.readouterr().err
 
 
 def test_reproduce_quick_writes_every_expected_file(tmp_path, capsys):

@@ -290,7 +290,7 @@ def register(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("--capture", type=Path, help="a capture folder written by `art-analysis capture`")
     parser.add_argument("--synthetic", choices=sorted(PRESETS), help="use a synthetic cache instead")
-    parser.add_argument("--step", type=int, default=-1, help="decode step of the capture (default: the last)")
+    parser.add_argument("--step", type=int, default=None, help="decode step of the capture (default: the last)")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="a smaller threshold grid")
     parser.add_argument("--benchmarks", type=Path, default=RESULTS_DIR,
@@ -303,6 +303,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.capture is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --capture DIR and --synthetic PRESET")
+    if args.capture is None and args.step is not None:
+        raise ValueError("--step chooses a decode step of a capture; pass --capture DIR")
     if args.out is not None:
         check_output_folder(args.out, "--out")
     benchmark_results = read_benchmark_results(args.benchmarks)
@@ -317,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
     # the default folder, named by the source, checked before the studies run: one that cannot be written would
     # lose them
     out = check_output_folder(args.out or Path("figures") / name, "--out")
-    studies = run_studies(source, name, block_size=args.block_size, step=args.step, quick=args.quick)
+    studies = run_studies(source, name, block_size=args.block_size, step=-1 if args.step is None else args.step,
+                          quick=args.quick)
     figures = draw_figures(studies, out)
     figures.update(draw_benchmark_figures(benchmark_results, out))
     write_json_atomic(out / "studies.json", dict(studies.tables(), figures={k: str(p) for k, p in figures.items()}))

@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
                                           cache_seqlens=call.cache_seqlens, sm_scale=call.sm_scale,
                                           mode=args.mode).trace)
     rows = summarize(traces, standard_rules(art))
+    if policy is not None:
+        print(f"after {args.policy}: loaded_fraction and the errors are of the walk over the blocks the policy "
+              f"kept, against attention over those blocks")
     print(format_table(rows, SUMMARY_COLUMNS, SUMMARY_FORMATS))
     if args.json:
         write_json_atomic(args.json, rows)
