@@ -305,8 +305,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --capture DIR and --synthetic PRESET")
     if args.capture is None and args.step is not None:
         raise ValueError("--step chooses a decode step of a capture; pass --capture DIR")
-    if args.out is not None:
-        check_output_folder(args.out, "--out")
+    out = None if args.out is None else check_output_folder(args.out, "--out")
     benchmark_results = read_benchmark_results(args.benchmarks)
     if args.capture is not None:
         from ..capture import KVCapture
@@ -316,9 +315,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         source, name = synthetic_cache(1, 8, 2, 2048 if args.quick else 8192, 64, preset=args.synthetic,
                                        seed=0), f"synthetic-{args.synthetic}"
-    # the default folder, named by the source, checked before the studies run: one that cannot be written would
-    # lose them
-    out = check_output_folder(args.out or Path("figures") / name, "--out")
+    if out is None:   # the default folder, named by the source, checked before the studies that it would lose
+        out = check_output_folder(Path("figures") / name, "--out")
     studies = run_studies(source, name, block_size=args.block_size, step=-1 if args.step is None else args.step,
                           quick=args.quick)
     figures = draw_figures(studies, out)
