@@ -470,6 +470,10 @@ def test_studies_and_commands_on_a_capture_use_its_softmax_scale(tmp_path, capsy
     assert cli_main(["flexprefill", "--capture", str(folder), "--gammas", "0.5", "--block-size", "16",
                      "--min-budget", "16", "--out", str(tmp_path / "figures"), "--json", str(out)]) == 0
     assert json.loads(out.read_text())[0]["rel_error"] == pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-6)
+    # an option of the synthetic prefill is refused beside a capture, not ignored
+    assert cli_main(["flexprefill", "--capture", str(folder), "--head-dim", "16", "--out", str(tmp_path)]) == 2
+    assert ("--head-dim describes a synthetic prefill; --capture analyses the captured prefill queries"
+            in capsys.readouterr().err)
     default = gamma_sweep(*prefill, [0.5], block_size=16, min_budget=16)
     assert float(default.rel_error[0].mean()) != pytest.approx(float(sweep.rel_error[0].mean()), rel=1e-3)
 

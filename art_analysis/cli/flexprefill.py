@@ -20,7 +20,12 @@ from ..table import format_table
 from .figures import read_benchmark_result
 from .head_counts import parse_head_counts
 from .output_paths import check_output_file, check_output_folder
+from .synthetic_options import add_synthetic_options, refuse_beside_capture, synthetic_values
 
+# the synthetic prefill's options and their defaults (``None`` on the parser, so that one given beside --capture shows)
+SYNTHETIC_DEFAULTS = {"heads": "8/4", "seqlen": 4096, "head_dim": 64, "seed": 0}
+SYNTHETIC_HELP = {"heads": "query/KV heads", "seqlen": "tokens", "head_dim": "head dim", "seed": "random seed"}
+SYNTHETIC_KINDS = {"seqlen": dict(type=int), "head_dim": dict(type=int), "seed": dict(type=int)}
 COLUMNS = ("input", "gamma", "kept_fraction", "rel_error", "query_aware_heads")
 FORMATS = {"gamma": ".3f", "kept_fraction": ".3f", "rel_error": ".4f", "query_aware_heads": ".2f"}
 
@@ -48,10 +53,7 @@ def register(subparsers) -> None:
     source = parser.add_argument_group("input (a capture with prefill queries, or a synthetic prefill)")
     source.add_argument("--capture", type=Path, help="a capture folder holding prefill queries")
     source.add_argument("--layers", type=_int_list, default=None, help="capture layers (default: all recorded)")
-    source.add_argument("--heads", default="8/4", help="query/KV heads of the synthetic prefill")
-    source.add_argument("--seqlen", type=int, default=4096, help="tokens of the synthetic prefill")
-    source.add_argument("--head-dim", type=int, default=64)
-    source.add_argument("--seed", type=int, default=0)
+    add_synthetic_options(source, SYNTHETIC_DEFAULTS, SYNTHETIC_HELP, SYNTHETIC_KINDS, "prefill")
     method = parser.add_argument_group("FlexPrefill")
     method.add_argument("--gammas", type=_float_list, default=[0.8, 0.85, 0.9, 0.95, 0.99])
     method.add_argument("--tau", type=float, default=0.1)
@@ -90,6 +92,7 @@ def _inputs(args):
     if args.capture is not None:
         from ..capture import KVCapture
 
+        refuse_beside_capture(args, SYNTHETIC_DEFAULTS, "prefill", "analyses the captured prefill queries")
         capture = KVCapture.load(args.capture)
         recorded = capture.prefill_layers
         if not recorded:
@@ -108,9 +111,10 @@ def _inputs(args):
 
     if args.layers is not None:
         raise ValueError("--layers chooses among a capture's prefill layers; pass --capture DIR")
-    q_heads, kv_heads = parse_head_counts(args.heads)
-    q, k, v = structured_prefill(1, q_heads, kv_heads, args.seqlen, args.head_dim, seed=args.seed,
-                                 dtype=torch.float32, device="cpu")
+    synthetic = synthetic_values(args, SYNTHETIC_DEFAULTS)
+    q_heads, kv_heads = parse_head_counts(synthetic["heads"])
+    q, k, v = structured_prefill(1, q_heads, kv_heads, synthetic["seqlen"], synthetic["head_dim"],
+                                 seed=synthetic["seed"], dtype=torch.float32, device="cpu")
     yield "synthetic", 0, q, k, v, None
 
 

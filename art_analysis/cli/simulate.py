@@ -15,6 +15,7 @@ from ..table import format_table
 from .art_options import add_art_options, art_config_from_args
 from .head_counts import parse_head_counts
 from .output_paths import check_output_file
+from .synthetic_options import add_synthetic_options, refuse_beside_capture, synthetic_values
 
 
 # the synthetic cache's options and their defaults (``None`` on the parser, so that one given beside --capture shows)
@@ -22,6 +23,8 @@ SYNTHETIC_DEFAULTS = {"synthetic": "realistic", "batch": 1, "heads": "32/8", "se
                       "seed": 0}
 SYNTHETIC_HELP = {"synthetic": "preset", "batch": "sequences", "heads": "query/KV heads", "seqlen": "tokens",
                   "head_dim": "head dim", "seed": "random seed"}
+SYNTHETIC_KINDS = {"synthetic": dict(choices=sorted(PRESETS)), "batch": dict(type=int), "seqlen": dict(type=int),
+                   "head_dim": dict(type=int), "seed": dict(type=int)}
 
 
 def register(subparsers) -> None:
@@ -32,10 +35,7 @@ def register(subparsers) -> None:
     source.add_argument("--layer", type=int, default=None, help="layer of the capture (default: all layers)")
     source.add_argument("--step", type=int, default=None,
                         help="decode step of the capture; negative counts from the end (default: the last)")
-    for name, default in SYNTHETIC_DEFAULTS.items():
-        kind = dict(choices=sorted(PRESETS)) if name == "synthetic" else {} if name == "heads" else dict(type=int)
-        source.add_argument(f"--{name.replace('_', '-')}", default=None,
-                            help=f"{SYNTHETIC_HELP[name]} of the synthetic cache (default: {default})", **kind)
+    add_synthetic_options(source, SYNTHETIC_DEFAULTS, SYNTHETIC_HELP, SYNTHETIC_KINDS, "cache")
     walk = parser.add_argument_group("walk")
     walk.add_argument("--block-size", type=int, default=64)
     walk.add_argument("--order", choices=ORDERS[:3], default="sink_recency")
@@ -85,10 +85,7 @@ def _inputs(args) -> list[DecodeInput]:
     if args.capture is not None:
         from ..capture import KVCapture
 
-        given = [f"--{name.replace('_', '-')}" for name in SYNTHETIC_DEFAULTS if getattr(args, name) is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} a synthetic cache; "
-                             f"--capture simulates the captured one")
+        refuse_beside_capture(args, SYNTHETIC_DEFAULTS, "cache", "simulates the captured one")
         capture = KVCapture.load(args.capture)
         if args.layer is not None:
             capture = capture.select(layers=[args.layer])
@@ -97,8 +94,7 @@ def _inputs(args) -> list[DecodeInput]:
     if given:
         raise ValueError(f"{', '.join(given)} {'chooses' if len(given) == 1 else 'choose'} within a capture; pass "
                          f"--capture DIR")
-    synthetic = {name: SYNTHETIC_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
-                 for name in SYNTHETIC_DEFAULTS}
+    synthetic = synthetic_values(args, SYNTHETIC_DEFAULTS)
     q_heads, kv_heads = parse_head_counts(synthetic["heads"])
     return decode_inputs(synthetic_cache(synthetic["batch"], q_heads, kv_heads, synthetic["seqlen"],
                                          synthetic["head_dim"], preset=synthetic["synthetic"], seed=synthetic["seed"]))
