@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +118,84 @@ def locate_model(name_or_path: str | os.PathLike) -> ModelLocation:
         f"unknown model {key!r}: expected one of {sorted(MODEL_NAMES)}, a local HF model folder "
         "(with config.json), or a .gguf file"
     )
+
+
+def model_max_positions(name_or_path: str | os.PathLike) -> int | None:
+    """The model's maximum positions (transformers' ``max_position_embeddings``), read from its files without
+    loading it (loading the embedded model takes about 30 s on two CPU cores), so that a command can refuse a
+    context that does not fit before it loads anything: an HF folder's ``config.json`` (or its ``text_config``), a
+    GGUF file's ``<general.architecture>.context_length``.  ``None`` where the files do not say or cannot be read
+    (the load then reports what is wrong with them); errors of :func:`locate_model` as there."""
+    location = locate_model(name_or_path)
+    try:
+        if location.gguf_file is None:
+            config = json.loads((location.folder / "config.json").read_text(encoding="utf-8"))
+            value = config.get("max_position_embeddings", (config.get("text_config") or {}).get(
+                "max_position_embeddings"))
+        else:
+            value = _gguf_context_length(location.path)
+    except (OSError, ValueError, AttributeError, struct.error):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_model_positions(name_or_path: str | os.PathLike, positions: int, what: str) -> None:
+    """Raise ``ValueError`` where ``what`` (a phrase naming the options, e.g. ``"--context 9000"``) needs more than
+    the model's maximum positions (:func:`model_max_positions`, read without loading the model; no check where the
+    files do not say)."""
+    max_positions = model_max_positions(name_or_path)
+    if max_positions is not None and positions > max_positions:
+        raise ValueError(f"{what} needs {positions} positions, past the model's maximum "
+                         f"(max_position_embeddings={max_positions})")
+
+
+# GGUF metadata value types (the GGUF spec's ``gguf_metadata_value_type``): fixed-size scalars by struct format
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    """``<general.architecture>.context_length`` from a GGUF file's header (the key-value metadata before the tensor
+    infos; read until both keys are seen, a few kB for most files), or ``None`` where the header lacks it.  Raises
+    ``ValueError`` or ``struct.error`` for a file that is not GGUF or ends early."""
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path} ends inside its GGUF header")
+            return struct.unpack(fmt, data)[0]
+
+        def read_string() -> str:
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def read_value(kind: int):
+            if kind == _GGUF_STRING:
+                return read_string()
+            if kind == _GGUF_ARRAY:
+                item, count = read("<I"), read("<Q")
+                if item in _GGUF_SCALARS:
+                    f.seek(struct.calcsize("<" + _GGUF_SCALARS[item]) * count, os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        read_value(item)
+                return None
+            if kind not in _GGUF_SCALARS:
+                raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+            return read("<" + _GGUF_SCALARS[kind])
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        read("<I")                                              # version
+        read("<Q")                                              # tensor count
+        values = {}
+        for _ in range(read("<Q")):                             # metadata key-value count
+            key = read_string()
+            values[key] = read_value(read("<I"))
+            architecture = values.get("general.architecture")
+            if architecture is not None and f"{architecture}.context_length" in values:
+                return values[f"{architecture}.context_length"]
+    return None
 
 
 def load_model(

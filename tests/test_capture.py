@@ -588,6 +588,57 @@ def test_local_gguf_path_is_located_like_the_name(tmp_path):
     assert models.locate_model(tmp_path).gguf_file is None
 
 
+def _write_gguf(path: Path, architecture: str, context_length: int | None) -> None:
+    """A GGUF file written by the ``gguf`` package (an independent writer): a token list and other metadata beside
+    the context length, and one tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_token_list(["a", "bc", "def"])
+    writer.add_array("test.ids", [3, 1, 2])
+    writer.add_float32("test.scale", 0.5)
+    if context_length is not None:
+        writer.add_context_length(context_length)
+    writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_max_positions_are_read_from_the_model_files_without_loading_them(tmp_path):
+    gguf_file = tmp_path / "a.gguf"
+    _write_gguf(gguf_file, "qwen2", 3072)
+    assert models.model_max_positions(gguf_file) == 3072
+    _write_gguf(gguf_file, "llama", None)                                  # the header does not say
+    assert models.model_max_positions(gguf_file) is None
+    data = gguf_file.read_bytes()
+    for broken in (data[:40], b"GGML" + data[4:]):                          # cut inside the header; not GGUF
+        gguf_file.write_bytes(broken)
+        assert models.model_max_positions(gguf_file) is None
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for config, expected in (({"max_position_embeddings": 2048}, 2048),
+                             ({"text_config": {"max_position_embeddings": 1024}}, 1024),
+                             ({"max_position_embeddings": True}, None), ({}, None)):
+        (folder / "config.json").write_text(json.dumps(config))
+        assert models.model_max_positions(folder) == expected
+    (folder / "config.json").write_text("{not json")
+    assert models.model_max_positions(folder) is None
+    with pytest.raises(ValueError, match="unknown model 'gpt-17'"):
+        models.model_max_positions("gpt-17")
+
+
+@needs_model
+def test_max_positions_of_the_embedded_model_are_the_gguf_readers():
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(models.locate_model("smollm2").path))
+    field = reader.fields[f"{reader.fields['general.architecture'].contents()}.context_length"]
+    assert models.model_max_positions("smollm2") == field.contents()
+
+
 @needs_model
 def test_bad_capture_arguments(loaded):
     max_pos = loaded.config.max_position_embeddings

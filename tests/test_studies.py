@@ -483,6 +483,32 @@ def test_commands_check_their_options_before_loading_the_model(argv, message, tm
     assert message in capsys.readouterr().err
 
 
+def test_commands_check_the_context_against_the_models_positions_before_loading_it(tmp_path, monkeypatch, capsys):
+    from art_analysis import models
+
+    def loaded(*args, **kwargs):
+        raise ValueError("past the position check")
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 300}))
+    out = ["--model", str(model), "--out", str(tmp_path / "out")]
+    # (options that need 301 positions, their message), then options that need exactly 300
+    for over, message, fits in (
+            (["capture", "--context", "301", *out], "--context 301 needs 301 positions", ["capture", "--context",
+                                                                                          "300", *out]),
+            (["evaluate", "--model", str(model), "--context", "290", "--max-new-tokens", "12"],
+             "--context 290 with --max-new-tokens 12 needs 301 positions",
+             ["evaluate", "--model", str(model), "--context", "290", "--max-new-tokens", "11"]),
+            (["reproduce", "--context", "292", *out], "--context 292 with the retrieval's 10 new tokens needs 301 "
+                                                      "positions", ["reproduce", "--context", "291", *out])):
+        assert main(over) == 2
+        assert f"{message}, past the model's maximum (max_position_embeddings=300)" in capsys.readouterr().err
+        assert main(fits) == 2
+        assert "past the position check" in capsys.readouterr().err
+
+
 def test_capture_layer_lists_are_indices(capsys):
     with pytest.raises(SystemExit):
         main(["capture", "--prefill-layers", "0,-1", "--out", "x"])

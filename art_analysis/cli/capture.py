@@ -66,7 +66,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..capture import capture_kv, check_capture_destination
     from ..corpus import long_text
-    from ..models import load_model
+    from ..models import check_model_positions, load_model
 
     check_capture_destination(args.out, args.overwrite)
     check_output_folder(args.out.resolve().parent, f"--out {str(args.out)!r}: its parent")
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if not 0 <= args.depth <= 1:
         raise ValueError(f"--depth must lie in [0, 1], got {args.depth}")
+    check_model_positions(args.model, args.context, f"--context {args.context}")
     loaded = load_model(args.model)
     seeds = list(range(args.seed, args.seed + args.batch))
     source = {"name": args.source, "seed": args.seed} if args.batch == 1 else {"name": args.source, "seeds": seeds}

@@ -67,7 +67,7 @@ def evaluation_rules(art: ARTConfig) -> dict:
 def run(args: argparse.Namespace) -> int:
     from ..analysis.retention import GENERATION_COLUMNS, GENERATION_FORMATS, compare_generation
     from ..corpus import niah_prompt, passkey_prompt
-    from ..models import load_model
+    from ..models import check_model_positions, load_model
 
     if args.context < 64:
         raise ValueError(f"--context must be at least 64 tokens, got {args.context}")
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if on_kernel and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"--backend {args.backend} runs the Triton kernel on a CUDA device, or on the CPU in "
                          "Triton's interpreter: set TRITON_INTERPRET=1 in the environment to run it here")
+    check_model_positions(args.model, args.context + args.max_new_tokens - 1,
+                          f"--context {args.context} with --max-new-tokens {args.max_new_tokens}")
     loaded = load_model(args.model)
     if on_kernel and torch.cuda.is_available():
         loaded.model.to("cuda")

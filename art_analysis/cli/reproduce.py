@@ -82,8 +82,10 @@ def run(args: argparse.Namespace) -> int:
                                                                       seed=seed) for seed in (0, 1)}
         flexprefill_args += ["--seqlen", str(context)]
     else:
-        from ..models import load_model
+        from ..models import check_model_positions, load_model
 
+        check_model_positions(args.model, context + RETENTION_NEW_TOKENS - 1,
+                              f"--context {context} with the retrieval's {RETENTION_NEW_TOKENS} new tokens")
         loaded = load_model(args.model)
         sources, folders = {}, {}
         layers = loaded.config.num_hidden_layers
