@@ -80,15 +80,22 @@ class LongestWalkHint:
             self._set(*self._pending.popleft()[:3])
 
     def _set(self, walks: torch.Tensor, host: torch.Tensor, order: torch.Tensor | None = None) -> None:
-        self._pair_walks = PairWalks.of(walks, host, order)
-        self._steps = self._pair_walks.sorted_walks[-1]
+        pair_walks = PairWalks.of(walks, host, order)
+        if pair_walks.sorted_walks[0] < 1:   # every pair walks a block at least (cache_seqlens >= 1)
+            raise ValueError(f"LongestWalkHint: a recorded call's steps give a (b, kv_head) a walk of "
+                             f"{pair_walks.sorted_walks[0]} blocks, and every walk loads at least one: record the "
+                             "return_stats of an art_decode call (blocks loaded per program) with its follow_step")
+        self._pair_walks = pair_walks
+        self._steps = pair_walks.sorted_walks[-1]
 
     def record(self, steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False) -> None:
         """Take the walks of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with ``follow_step``
         (``art_decode``'s, 0 without deferred followers) and, with ``on_demand``, on-demand followers
         (:func:`pair_walk_lengths`).  On a CUDA device the reduction and a non-blocking copy to pinned memory are
         queued on the current stream; on the CPU the value is taken at once.  Not inside a CUDA-graph capture (a
-        replay would not record)."""
+        replay would not record).  Stats that give a pair a walk of no block (negative or all-zero counts: not a
+        call's) raise ``ValueError`` when the values are taken: here on the CPU, else at the first read of
+        :attr:`steps` or :attr:`pair_walks` after the copy has landed (which drops that record)."""
         if not isinstance(steps, torch.Tensor) or steps.dim() != 3 or steps.dtype != torch.int32 or steps.numel() == 0:
             described = (f"{tuple(steps.shape)} {steps.dtype}" if isinstance(steps, torch.Tensor)
                          else type(steps).__name__)

@@ -53,12 +53,17 @@ class KernelLaunches:
 @pytest.fixture
 def record_decode_launches(monkeypatch):
     """``record(forward=False)``: replaces ``kernels.art_decode``'s split kernel by a :class:`KernelLaunches`
-    for the test and returns it."""
+    for the test and returns it.  Launches that are not forwarded write nothing, so the launcher's outputs are then
+    ones rather than uninitialised memory: a call's ``return_stats`` (and the record a ``walk_hint`` takes of them)
+    reads one block per program."""
     import kernels.art_decode as art_decode_module
 
     def record(forward: bool = False) -> KernelLaunches:
         launches = KernelLaunches(art_decode_module.art_decode_split_kernel, forward)
         monkeypatch.setattr(art_decode_module, "art_decode_split_kernel", launches)
+        if not forward:
+            monkeypatch.setattr(art_decode_module, "_scratch",
+                                lambda shape, dtype, device: torch.ones(shape, dtype=dtype, device=device))
         return launches
 
     return record

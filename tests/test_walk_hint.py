@@ -51,6 +51,12 @@ def test_bad_stats_are_refused():
     with pytest.raises(ValueError, match="got list"):
         hint.record([[[5]]])
     assert hint.steps is None
+    hint.record(stats([7], [9]))
+    # counts that no call returns: a plan from them would defer the followers to step -5 or switch the monitor off
+    for bad in (stats([-5], [9]), stats([0, 0], [4, 4])):
+        with pytest.raises(ValueError, match="a walk of (-5|0) blocks, and every walk loads at least one"):
+            hint.record(bad)
+    assert hint.steps == 9 and hint.pair_walks.sorted_walks == (7, 9)       # the refused records left no trace
 
 
 def _inputs(device, dtype, seqlen):
