@@ -168,3 +168,7 @@ def test_studies_check_their_decode_inputs_and_settings_before_any_work():
     swept = recent_window_curves([call], fractions=[0.5], sink_tokens=np.array([0, 4, 4]))
     assert sorted(swept["window"].unique()) == ["recent", "sink4+recent"]
     assert len(swept) == 2 * len(recent_window_curves([call], fractions=[0.5], sink_tokens=[0]))
+    # a sink longer than the sequence keeps all of it: the exact output, every token loaded
+    whole = recent_window_curves([call], fractions=[0.0, 0.5], sink_tokens=[10 ** 6])
+    assert whole["window"].unique().tolist() == ["sink1000000+recent"]
+    assert whole["loaded_fraction"].tolist() == [1.0, 1.0] and float(whole["error_q75"].max()) < 1e-12

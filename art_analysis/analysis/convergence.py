@@ -110,7 +110,7 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
     Returns:
         One row per ``(layer, window, loaded_fraction)`` with ``window`` = ``"recent"`` or
         ``"sink{s}+recent"``, the error quantiles over heads and ``heads``; ``loaded_fraction`` is
-        the window's share of the tokens (sink included).
+        the window's share of the tokens (sink included; a sink longer than a sequence is all of it).
     """
     fractions = _check_fractions(fractions)
     sizes = list(sink_tokens) if isinstance(sink_tokens, Iterable) and not isinstance(sink_tokens, str) else []
@@ -136,19 +136,19 @@ def recent_window_curves(source, *, fractions: torch.Tensor | None = None, sink_
             weighted = torch.cumsum((weights[..., None] * v).flip(1), 1)
             window = torch.clamp(torch.ceil(fractions * seqlen).long(), 0, seqlen)
             for sink in sink_tokens:
-                sink = min(int(sink), seqlen)
-                # The window never re-counts sink tokens: at most seqlen - sink newest tokens.
-                newest = torch.clamp(window, max=seqlen - sink)
+                kept = min(sink, seqlen)             # a sink past the sequence keeps all of it
+                # The window never re-counts sink tokens: at most seqlen - kept newest tokens.
+                newest = torch.clamp(window, max=seqlen - kept)
                 index = (newest - 1).clamp(min=0)
-                win_mass = torch.where(newest > 0, mass[:, index], 0.0) + weights[:, :sink].sum(-1, keepdim=True)
+                win_mass = torch.where(newest > 0, mass[:, index], 0.0) + weights[:, :kept].sum(-1, keepdim=True)
                 win_value = (torch.where((newest > 0)[None, :, None], weighted[:, index], 0.0)
-                             + (weights[:, :sink, None] * v[:, :sink]).sum(1, keepdim=True))
+                             + (weights[:, :kept, None] * v[:, :kept]).sum(1, keepdim=True))
                 output = win_value / win_mass.clamp(min=1e-300)[..., None]
                 error = torch.linalg.vector_norm(output - full[:, None], dim=-1) / \
                     torch.linalg.vector_norm(full, dim=-1, keepdim=True).clamp(min=1e-30)
                 error = torch.where(win_mass > 0, error, torch.ones_like(error))              # nothing loaded
                 per_sequence[sink].append(error.cpu())
-                loaded[sink].append(((newest + sink).double() / seqlen).cpu())
+                loaded[sink].append(((newest + kept).double() / seqlen).cpu())
         for sink in sink_tokens:
             values = torch.cat(per_sequence[sink])
             label = "recent" if sink == 0 else f"sink{sink}+recent"
