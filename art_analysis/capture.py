@@ -440,12 +440,13 @@ def _check_metadata(metadata: dict, path: Path) -> None:
 
 def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: bool = True,
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one file of a capture, each of ``shapes`` present with that shape (the token axis of ``k``,
+    """The tensors ``shapes`` names in one file of a capture (any other tensor the file holds is not read: a
+    ``prefill_q`` of a layer the metadata does not list), each present with that shape (the token axis of ``k``,
     ``v`` and ``token_ids`` at least as long) and of a floating (``floating``) or integer dtype, and ``dtype`` (the
     metadata's) where given, else ``ValueError`` naming the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys() if name in shapes}
     except SafetensorError as exc:
         raise ValueError(f"{str(path)!r} is not a readable safetensors file ({exc}); the capture is damaged") from exc
     for name, shape in shapes.items():

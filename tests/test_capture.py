@@ -386,6 +386,12 @@ def test_load_names_a_damaged_or_mismatched_tensor_file(tmp_path):
     with pytest.raises(ValueError, match=r"prefill_q is torch.float32 of shape \(2, 3, 5, 8\), expected a float32 "
                                          r"tensor of shape \(2, 3, 6, 8\)"):
         KVCapture.load(tmp_path / "layer").prefill_queries(0)
+    # queries of a layer the metadata does not list (here of a wrong shape) are not read: the layer still reads
+    _rewrite_metadata(tmp_path / "layer", prefill_layers=[])
+    unlisted = KVCapture.load(tmp_path / "layer")
+    assert torch.equal(unlisted.layer(0)[1], load_file(layer0)["k"])
+    with pytest.raises(ValueError, match=r"prefill queries were not recorded for layer 0; recorded layers: \[\]"):
+        unlisted.prefill_queries(0)
 
 
 @pytest.mark.parametrize("changes, message", [
