@@ -103,6 +103,16 @@ def test_query_aware_policies_default_to_the_decode_query(cache):
     assert torch.equal(result.selection, expected)
 
 
+def test_simulate_policy_names_a_policy_spec_or_queries_of_the_wrong_rank(cache):
+    for spec in ("snapkv:budget=0.2", None):
+        with pytest.raises(TypeError, match=r"policy must be a SelectionPolicy \(policies.make\(name, ...\) or "
+                                            r"policies.parse_spec\(spec\) builds one\), got (str|NoneType)"):
+            simulate_policy(spec, cache.q, cache.k, cache.v)
+    # a query-aware policy is told of q's rank, not asked for queries
+    with pytest.raises(ValueError, match=r"q must be \[B, Hq, D\] decode queries, got \(2, 6, 1, 16\)"):
+        simulate_policy(policies.make("quest", budget=64), cache.q[:, :, None], cache.k, cache.v)
+
+
 def test_paged_layout_holds_the_kept_tokens_in_walk_order(cache):
     policy = policies.make("snapkv", budget=0.35, window=20)
     result = simulate_policy(policy, cache.q, cache.k, cache.v, queries=cache.q[:, :, None], block_size=BLOCK,

@@ -153,7 +153,13 @@ def simulate_policy(policy: SelectionPolicy, q: torch.Tensor, k: torch.Tensor, v
 
     Apply a stopping rule with ``art_analysis.termination.stop(result.trace, rule)``.
     """
-    if queries is None and policy.needs_queries and isinstance(q, torch.Tensor) and q.dim() == 3:
+    if not isinstance(policy, SelectionPolicy):
+        raise TypeError(f"policy must be a SelectionPolicy (policies.make(name, ...) or policies.parse_spec(spec) "
+                        f"builds one), got {type(policy).__name__}")
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
+        described = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be [B, Hq, D] decode queries, got {described}")
+    if queries is None and policy.needs_queries:
         queries = q[:, :, None]
     policy = policy.with_sm_scale(sm_scale)
     selection = policy.select(k, v, queries=queries, layer=layer, num_layers=num_layers, block_size=block_size,
