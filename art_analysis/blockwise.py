@@ -39,7 +39,8 @@ from torch import nn
 
 from kernels.softmax_scale import softmax_scale
 
-from .checks import check_block_size, check_cache_seqlens, check_finite_cache, check_float_tensor, check_kv_cache
+from .checks import (check_block_size, check_cache_seqlens, check_finite, check_finite_cache, check_float_tensor,
+                     check_kv_cache)
 from .orders import traversal_order, walkable_blocks
 
 MODES = ("exact", "kernel")
@@ -180,8 +181,7 @@ def check_decode_call(q, k, v, cache_seqlens=None, sm_scale=None) -> tuple[torch
                          f"got Hq={q_heads}, Hkv={kv_heads}")
     seqlens = check_cache_seqlens(cache_seqlens, batch, seqlen, k.device)
     check_finite_cache(k, v, seqlens)
-    if not torch.isfinite(q).all():
-        raise ValueError("q holds NaN or Inf")
+    check_finite(q=q)
     return seqlens, softmax_scale(sm_scale, dim)
 
 

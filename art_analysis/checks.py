@@ -74,6 +74,13 @@ def valid_token_mask(seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
     return torch.arange(seqlen, device=seqlens.device)[None, :] < seqlens[:, None]
 
 
+def check_finite(**tensors: torch.Tensor) -> None:
+    """Each keyword's tensor must hold only finite values: ``ValueError`` naming the first that does not."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds NaN or Inf")
+
+
 def check_finite_cache(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor) -> None:
     """``k, v [B, Hkv, S, D]`` must be finite on every valid token (garbage past the length is allowed)."""
     valid = valid_token_mask(seqlens, k.shape[2])

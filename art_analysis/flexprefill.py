@@ -50,13 +50,16 @@ paper's intent:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kernels.int_checks import check_count
+from kernels.int_checks import check_count, check_flags, is_finite_real
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs, check_selection_params
 from kernels.softmax_scale import softmax_scale
+
+from .checks import check_finite
 
 VERTICAL_SLASH = 0
 QUERY_AWARE = 1
@@ -291,7 +294,9 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: 
         key_chunk: keys per chunk of the representative attention (memory bound, not results).
     """
     check_prefill_inputs(q, k)
-    check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps)
+    check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps,
+                           union_vs_for_query_aware)
+    check_finite(q=q, k=k)
     check_count(key_chunk, "key_chunk", 1)
     scale = softmax_scale(sm_scale, q.shape[-1])
     nb = -(-q.shape[2] // block_size)
@@ -316,6 +321,14 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: 
         vertical_blocks=vertical_blocks, slash_blocks=slash_blocks, block_size=block_size)
 
 
+def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (``v`` required) that fit together, and finite."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    check_prefill_inputs(q, k, v)
+    check_finite(q=q, k=k, v=v)
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
                      block_size: int, *, sm_scale: float | None = None, return_lse: bool = False,
                      compute_dtype: torch.dtype = torch.float32, query_chunk: int = 1024):
@@ -334,8 +347,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
         ``out [B, Hq, N, D]`` in ``compute_dtype`` (rows with no kept key are 0), and with
         ``return_lse`` also ``lse [B, Hq, N]`` (``-inf`` for such rows).
     """
-    check_prefill_inputs(q, k, v)
+    _check_attention_inputs(q, k, v)
     check_block_mask(block_mask, q, block_size)
+    check_flags(return_lse=return_lse)
+    check_count(query_chunk, "query_chunk", 1)
     b, hq, n, _ = q.shape
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
@@ -364,6 +379,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense causal attention ``[B, Hq, N, D]``: :func:`sparse_attention` with every tile kept."""
+    _check_attention_inputs(q, k, v)
     b, hq, n, _ = q.shape
     block_size = max(1, min(n, 128))
     nb = -(-n // block_size)
@@ -404,9 +420,16 @@ def gamma_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gammas, *, ta
     ``quirks`` are passed to :func:`select_blocks` (``budget_divisor``, ``union_vs_for_query_aware``,
     ``js_eps``).  Inputs as :func:`select_blocks`; computed in float32.
     """
-    gammas = torch.as_tensor(list(gammas), dtype=torch.float64)
-    if gammas.numel() == 0:
+    if isinstance(gammas, (str, bytes)) or not isinstance(gammas, Iterable) or (
+            isinstance(gammas, torch.Tensor) and gammas.dim() != 1):
+        raise TypeError(f"gammas must be a sequence of numbers in (0, 1] (e.g. [0.9, 0.95]), got {gammas!r}")
+    values = gammas.tolist() if isinstance(gammas, torch.Tensor) else list(gammas)
+    if not values:
         raise ValueError("gammas must hold at least one value")
+    bad = [g for g in values if not (is_finite_real(g) and 0.0 < g <= 1.0)]
+    if bad:
+        raise ValueError(f"each of gammas must lie in (0, 1] (a real number), got {bad[0]!r}")
+    gammas = torch.tensor([float(g) for g in values], dtype=torch.float64)
     dense = dense_causal_attention(q, k, v, sm_scale=sm_scale)
     kept, errors, selection = [], [], None
     for gamma in gammas.tolist():

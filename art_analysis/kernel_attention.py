@@ -31,6 +31,8 @@ from typing import Iterator
 
 import torch
 
+from kernels.int_checks import check_flags
+
 from .attention_override import override_attention
 from .orders import check_token_range, traversal_order, walkable_blocks, walks_reading
 from .termination import ARTConfig
@@ -74,9 +76,7 @@ class KernelAttention:
         if self.art is not None and not isinstance(self.art, ARTParams):
             raise TypeError(f"art must be an ARTConfig, a kernels.art_params.ARTParams or None, got "
                             f"{type(self.art).__name__}")
-        for name in ("walk_hints", "single_walk"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_flags(walk_hints=self.walk_hints, single_walk=self.single_walk)
         if self.needle is not None:
             self.needle = check_token_range(self.needle)
 

@@ -415,7 +415,7 @@ from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, H
 from .art_params import INT32_MAX, ARTParams
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
-from .int_checks import check_choice, check_count
+from .int_checks import check_choice, check_count, check_flags
 from .pair_walks import PairWalks
 from .softmax_scale import softmax_scale
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
@@ -584,8 +584,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     # inside a CUDA-graph capture no value can be read back: the lengths and pages go unchecked, and the grid is
     # sized for the capacity, so that every replay may change the lengths in place; read_lengths=False asks for the
     # same outside a capture (no sync)
-    if not isinstance(read_lengths, bool):
-        raise TypeError(f"read_lengths must be a bool, got {type(read_lengths).__name__}")
+    check_flags(read_lengths=read_lengths)
     capturing = _capturing(q.device)
     reading = read_lengths and not capturing
     seqlens, max_len = _check_seqlens(cache_seqlens, batch, capacity, capacity_name, q.device, read_values=reading)
@@ -760,6 +759,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     Returns:
         ``out [B, Hq, D]`` in ``q``'s dtype, followed by ``lse``, ``steps`` and ``result_steps`` when requested.
     """
+    check_flags(return_lse=return_lse, return_stats=return_stats, return_result_steps=return_result_steps)
     plan = plan_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, sm_scale=sm_scale,
                        art=art, order=order, block_size=block_size, num_splits=num_splits,
                        longest_stop_steps=longest_stop_steps, follow_step=follow_step, walk_hint=walk_hint,

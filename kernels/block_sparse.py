@@ -20,7 +20,7 @@ from kernels.block_sparse_kernel import block_sparse_attention_kernel, column_ta
 from kernels.descriptors import descriptor_ready, host_descriptor
 from kernels.device_info import num_sms
 from kernels.flexprefill_estimate import FlexPrefillEstimate, estimate_block_mask
-from kernels.int_checks import check_choice, check_count
+from kernels.int_checks import check_choice, check_count, check_flags
 from kernels.prefill_checks import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_block_mask, check_kernel_tensors,
                                      check_prefill_inputs)
 from kernels.softmax_scale import softmax_scale
@@ -107,6 +107,7 @@ def column_table(block_mask: torch.Tensor, chunk: int | None = None) -> tuple[to
 
 def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, causal: bool) -> None:
     check_prefill_inputs(q, k, v)
+    check_flags(causal=causal)
     if not causal:
         raise ValueError("only causal attention is supported (causal=False was requested)")
     check_kernel_tensors(("q", q), ("k", k), ("v", v))
@@ -136,6 +137,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         scores or values a row reads makes it NaN, and so does a kept tile whose scores are all ``-inf``.
     """
     _check_kernel_inputs(q, k, v, block_size, causal)
+    check_flags(return_lse=return_lse)
     check_block_mask(block_mask, q, block_size)
     b, hq, n, d = q.shape
     scale = softmax_scale(sm_scale, d)
@@ -187,6 +189,7 @@ def flexprefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ``out [B, Hq, N, D]``, then ``lse`` and/or the estimate when requested.
     """
     _check_kernel_inputs(q, k, v, block_size, causal)
+    check_flags(return_lse=return_lse, return_estimate=return_estimate)
     scale = softmax_scale(sm_scale, q.shape[-1])
     estimate = estimate_block_mask(
         q, k, gamma=gamma, tau=tau, block_size=block_size, min_budget=min_budget, max_budget=max_budget,

@@ -27,6 +27,7 @@ from kernels.flexprefill_estimate_kernel import (block_means_kernel, chunk_sums_
                                                  representative_line_sums_kernel, representative_row_stats_kernel,
                                                  row_lse_kernel, row_ties_kernel, sorted_coverage_kernel,
                                                  vertical_slash_mask_kernel, vertical_slash_select_kernel)
+from kernels.int_checks import check_count
 from kernels.prefill_checks import check_kernel_tensors, check_prefill_inputs, check_selection_params
 from kernels.softmax_scale import softmax_scale
 
@@ -247,7 +248,10 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9,
     """
     check_prefill_inputs(q, k)
     check_kernel_tensors(("q", q), ("k", k))
-    check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps)
+    check_selection_params(gamma, tau, block_size, min_budget, max_budget, budget_divisor, js_eps,
+                           union_vs_for_query_aware)
+    if keys_per_program is not None:
+        check_count(keys_per_program, "keys_per_program (or None)", 1)
     n, d = q.shape[2], q.shape[3]
     scale = softmax_scale(sm_scale, d)
     nb = -(-n // block_size)

@@ -28,6 +28,14 @@ def check_count(value, name: str, minimum: int, maximum: int | None = None, unit
     return value
 
 
+def check_flags(**flags) -> None:
+    """Each keyword's value must be a ``bool``: a string such as ``"no"`` would read as true.  ``TypeError`` naming
+    the first that is not."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim) -> None:
     """The sizes of a cache to build (synthetic caches, benchmark inputs): each a positive ``int``, and the query
     heads in whole groups of the KV heads; else ``ValueError`` naming the argument."""

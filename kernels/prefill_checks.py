@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .int_checks import check_count, is_finite_real
+from .int_checks import check_count, check_flags, is_finite_real
 
 SUPPORTED_HEAD_DIMS = (64, 128)   # of the Triton prefill kernels (estimate and block-sparse attention)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)   # on a GPU; the CPU interpreter takes any float
@@ -59,9 +59,11 @@ def check_kernel_tensors(*named: tuple[str, torch.Tensor]) -> None:
                          f"{first_name} on {first.device}")
 
 
-def check_selection_params(gamma: float, tau: float, block_size: int, min_budget: int,
-                           max_budget: int | None, budget_divisor: int | None, js_eps: float | None) -> None:
-    """Raise ``ValueError`` on out-of-range FlexPrefill parameters (numbers given as bools or tensors included)."""
+def check_selection_params(gamma: float, tau: float, block_size: int, min_budget: int, max_budget: int | None,
+                           budget_divisor: int | None, js_eps: float | None, union_vs_for_query_aware: bool) -> None:
+    """Raise ``ValueError`` on out-of-range FlexPrefill parameters (numbers given as bools or tensors included), and
+    ``TypeError`` where the ``union_vs_for_query_aware`` flag is not a bool."""
+    check_flags(union_vs_for_query_aware=union_vs_for_query_aware)
     if not (is_finite_real(gamma) and 0.0 < gamma <= 1.0):
         raise ValueError(f"gamma must lie in (0, 1] (a real number), got {gamma!r}")
     if not (is_finite_real(tau) and tau >= 0.0):

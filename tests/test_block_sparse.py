@@ -266,6 +266,8 @@ def test_flexprefill_attention_chains_estimation_and_kernel():
     (dict(sm_scale=-0.125), ValueError, "sm_scale must be a positive finite number"),
     (dict(config=(0, 32, 4, 1)), ValueError, "KernelConfig.block_m must be a power of two, got 0"),
     (dict(raw_config=(16, 16, 4, 1)), TypeError, "config must be a KernelConfig .*got tuple"),
+    (dict(causal="no"), TypeError, "causal must be True or False, got 'no'"),
+    (dict(return_lse="no"), TypeError, "return_lse must be True or False, got 'no'"),
 ])
 def test_kernel_rejects_bad_input(change, error, match):
     d = change.get("d", 64)
@@ -277,7 +279,8 @@ def test_kernel_rejects_bad_input(change, error, match):
     with pytest.raises(error, match=match):
         config = KernelConfig(*change["config"]) if "config" in change else change.get("raw_config")
         block_sparse_attention(q, k, k, mask, block_size=change.get("block_size", 32),
-                               causal=change.get("causal", True), sm_scale=change.get("sm_scale"), config=config)
+                               causal=change.get("causal", True), sm_scale=change.get("sm_scale"), config=config,
+                               return_lse=change.get("return_lse", False))
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -285,6 +288,8 @@ def test_kernel_rejects_bad_input(change, error, match):
     (dict(k_dtype=torch.float32), TypeError, "q, k must share one dtype, got torch.float16, torch.float32"),
     (dict(sm_scale=0.0), ValueError, "sm_scale must be a positive finite number, got 0.0"),
     (dict(budget_divisor=True), ValueError, r"budget_divisor \(or None\) must be a positive int, got True"),
+    (dict(union_vs_for_query_aware="no"), TypeError, "union_vs_for_query_aware must be True or False, got 'no'"),
+    (dict(keys_per_program=0), ValueError, r"keys_per_program \(or None\) must be a positive int, got 0"),
 ])
 def test_estimate_rejects_bad_input(change, error, match):
     d = change.get("d", 64)
@@ -292,7 +297,9 @@ def test_estimate_rejects_bad_input(change, error, match):
     k = torch.randn(1, 1, 128, d).to(change.get("k_dtype", torch.float16))
     with pytest.raises(error, match=match):
         estimate_block_mask(q, k, block_size=32, sm_scale=change.get("sm_scale"),
-                            budget_divisor=change.get("budget_divisor"))
+                            budget_divisor=change.get("budget_divisor"),
+                            union_vs_for_query_aware=change.get("union_vs_for_query_aware", False),
+                            keys_per_program=change.get("keys_per_program"))
 
 
 @pytest.mark.parametrize("batch, heads", [(0, 2), (1, 0)])

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from art_analysis.flexprefill import (QUERY_AWARE, VERTICAL_SLASH, RepresentativeAttention, block_budgets,
-                                      coverage_count, descending_rank, gamma_sweep, js_distance,
-                                      representative_attention, select_blocks, sparse_attention,
+                                      coverage_count, dense_causal_attention, descending_rank, gamma_sweep,
+                                      js_distance, representative_attention, select_blocks, sparse_attention,
                                       vertical_slash_mask)
 
 
@@ -249,3 +249,37 @@ def test_select_blocks_rejects_bad_tensors():
         sparse_attention(q, k, v, torch.ones(1, 4, 3, 3, dtype=torch.bool), 32)
     with pytest.raises(TypeError, match="bool"):
         sparse_attention(q, k, v, torch.ones(1, 4, 2, 2), 32)
+    mask = torch.ones(1, 4, 2, 2, dtype=torch.bool)
+    for bad, name in ((q, "q"), (k, "k"), (v, "v")):           # the reference refuses what it would spread
+        poisoned = bad.clone()
+        poisoned[0, 0, 5, 3] = float("nan")
+        inputs = {"q": q, "k": k, "v": v, name: poisoned}
+        with pytest.raises(ValueError, match=f"{name} holds NaN or Inf"):
+            sparse_attention(inputs["q"], inputs["k"], inputs["v"], mask, 32)
+        if name != "v":
+            with pytest.raises(ValueError, match=f"{name} holds NaN or Inf"):
+                select_blocks(inputs["q"], inputs["k"], block_size=32)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, got NoneType"):
+        dense_causal_attention(q, k, None)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        dense_causal_attention(q.tolist(), k, v)
+    with pytest.raises(ValueError, match="query_chunk must be a positive int, got 0"):
+        sparse_attention(q, k, v, mask, 32, query_chunk=0)
+    with pytest.raises(TypeError, match="return_lse must be True or False, got 'no'"):
+        sparse_attention(q, k, v, mask, 32, return_lse="no")
+    with pytest.raises(TypeError, match="union_vs_for_query_aware must be True or False, got 'no'"):
+        select_blocks(q, k, block_size=32, union_vs_for_query_aware="no")
+
+
+@pytest.mark.parametrize("gammas, error, match", [
+    (0.9, TypeError, r"gammas must be a sequence of numbers in \(0, 1\] \(e.g. \[0.9, 0.95\]\), got 0.9"),
+    ("0.9", TypeError, "gammas must be a sequence"),
+    (torch.tensor(0.9), TypeError, "gammas must be a sequence"),
+    ([], ValueError, "gammas must hold at least one value"),
+    ([0.9, True], ValueError, r"each of gammas must lie in \(0, 1\] \(a real number\), got True"),
+    ([0.9, 1.5], ValueError, r"each of gammas must lie in \(0, 1\] \(a real number\), got 1.5"),
+])
+def test_gamma_sweep_names_gammas_that_are_not_a_sequence_of_fractions(gammas, error, match):
+    q, k, v = _qkv(n=64)
+    with pytest.raises(error, match=match):
+        gamma_sweep(q, k, v, gammas, block_size=32, min_budget=32)

@@ -53,7 +53,7 @@ def test_flexprefill_command_rejects_bad_input(tmp_path, capsys):
     assert "--heads must look like" in capsys.readouterr().err
     assert main(["flexprefill", "--heads", "4/2", "--seqlen", "128", "--gammas", "1.5", "--block-size", "32",
                  "--out", str(tmp_path)]) == 2
-    assert "gamma must lie in (0, 1]" in capsys.readouterr().err
+    assert "each of gammas must lie in (0, 1] (a real number), got 1.5" in capsys.readouterr().err
     assert main(["flexprefill", "--heads", "2/1", "--seqlen", "128", "--block-size", "32", "--out", str(tmp_path),
                  "--bench-json", str(tmp_path / "missing.json")]) == 2
     assert "missing.json is not a file" in capsys.readouterr().err

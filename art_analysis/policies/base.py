@@ -18,7 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from ..checks import check_block_size, check_cache_seqlens, check_finite_cache, check_kv_cache, valid_token_mask
+from ..checks import (check_block_size, check_cache_seqlens, check_finite, check_finite_cache, check_kv_cache,
+                      valid_token_mask)
 from .budget import Budget, budget_tokens, check_budget, tokens_to_blocks
 
 
@@ -200,8 +201,7 @@ def validate_inputs(k, v, *, queries, layer, num_layers, block_size, cache_seqle
                              f"got {tuple(queries.shape)}")
         if queries.device != k.device:
             raise ValueError(f"queries must be on k's device {k.device}, got {queries.device}")
-        if not torch.isfinite(queries).all():
-            raise ValueError("queries hold NaN or Inf")
+        check_finite(queries=queries)
     for name, value in (("layer", layer), ("num_layers", num_layers)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
