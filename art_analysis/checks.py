@@ -8,13 +8,18 @@ import torch
 from kernels.int_checks import is_finite_real
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
 def check_int(value, name: str, minimum: int) -> int:
-    """``value`` must be an integer (an ``int`` or a NumPy integer of a sweep, not a ``bool``) ``>= minimum``;
-    returns it as an ``int``."""
+    """``value`` must be an integer (an ``int`` or a NumPy integer of a sweep, not a ``bool``) ``>= minimum`` that
+    fits an int64 (the tensors it meets); returns it as an ``int``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must fit an int64 (at most 2**63 - 1), got {value}")
     return int(value)
 
 

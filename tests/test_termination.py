@@ -238,10 +238,21 @@ def test_paper_preset_and_kernel_params():
     (dict(use_scale=False, use_direction=False), "at least one"),
     (dict(use_scale="no"), "use_scale must be True or False, got 'no'"),
     (dict(tau=True), "tau must be a finite number >= 0, got True"),
+    (dict(patience=2 ** 70), r"patience must fit an int64 \(at most 2\*\*63 - 1\), got 1180591620717411303424"),
+    (dict(min_steps=10 ** 30), "min_steps must fit an int64"),
 ])
 def test_bad_config_gets_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ARTConfig(**kwargs)
+
+
+def test_the_largest_counts_stop_where_no_rule_can_stop():
+    cache = synthetic_cache(1, 4, 2, 256, 16, seed=1)
+    trace = blockwise_attention(cache.q, cache.k, cache.v, block_size=16)
+    for rule in (ARTConfig(patience=2 ** 63 - 1), ARTConfig(min_steps=2 ** 63 - 1), FixedBudget(2 ** 63 - 1)):
+        assert stop(trace, rule).stop_step.tolist() == [[15] * 4]                 # the last of 16 steps
+    with pytest.raises(ValueError, match="steps must fit an int64"):
+        FixedBudget(2 ** 80)
 
 
 @pytest.mark.parametrize("kwargs, message", [
