@@ -17,6 +17,7 @@ rather than through their attention weight).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,18 @@ PRESETS = {
 }
 
 
+def _usable_device(device) -> torch.device:
+    """``device`` (a ``torch.device`` or its name) as a device this process can allocate on, else ``ValueError``
+    naming it (torch's own errors say ``Torch not compiled with CUDA enabled`` or list every device type)."""
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        raise ValueError(f"device must be a torch.device or a name like 'cpu' or 'cuda:0' that this process can use, "
+                         f"got {device!r} ({str(exc).splitlines()[0]})") from None
+    return resolved
+
+
 def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2, seqlen: int = 4096,
                     head_dim: int = 64, *, sink: float = 6.0, sink_tokens: int = 4, recency: float = 4.0,
                     recency_scale: float = 256.0, heavy_hitters: int = 8, heavy: float = 4.0,
@@ -66,7 +79,7 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
     ``preset`` (one of :data:`PRESETS`) overrides the structure parameters it names.
     """
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         overrides = PRESETS[preset]
         sink = overrides.get("sink", sink)
@@ -77,7 +90,7 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
     check_cache_dims(batch, num_q_heads, num_kv_heads, seqlen, head_dim)
     for name, value in (("sink_tokens", sink_tokens), ("heavy_hitters", heavy_hitters),
                         ("value_outliers", value_outliers)):
-        if not isinstance(value, int) or not 0 <= value <= seqlen:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value <= seqlen:
             raise ValueError(f"{name} must be an int in [0, seqlen={seqlen}], got {value!r}")
     reals = dict(sink=sink, recency=recency, recency_scale=recency_scale, heavy=heavy, outlier_scale=outlier_scale,
                  value_mean=value_mean, noise=noise, query_noise=query_noise)
@@ -88,8 +101,11 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
         raise ValueError("recency_scale and outlier_scale must be > 0, noise and query_noise >= 0")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    device = _usable_device(device)
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(int(seed))
     group = num_q_heads // num_kv_heads
     shape = (batch, num_kv_heads)
     direction = torch.randn(*shape, head_dim, generator=gen)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -51,10 +52,29 @@ def test_presets_differ_in_concentration():
     (dict(preset="spiky"), "preset"), (dict(recency_scale=0.0), "recency_scale"),
     (dict(sink=float("nan")), r"must be finite numbers, got \{'sink': nan\}"),
     (dict(outlier_scale=float("inf"), value_mean="1"), r"got \{'outlier_scale': inf, 'value_mean': '1'\}"),
+    (dict(preset=["realistic"]), r"preset must be one of \['diffuse', 'peaked', 'realistic'\], got \['realistic'\]"),
+    (dict(sink_tokens=True), r"sink_tokens must be an int in \[0, seqlen=4096\], got True"),
+    (dict(seed=1.5), r"seed must be an int in \[0, 2\*\*63\), got 1.5"),
+    (dict(seed=None), r"seed must be an int in \[0, 2\*\*63\), got None"),
+    (dict(seed=2 ** 70), "seed must be an int in"),
+    (dict(device="gpu"), "device must be a torch.device or a name like 'cpu' or 'cuda:0' that this process can use, "
+                         "got 'gpu'"),
 ])
 def test_bad_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         synthetic_cache(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names a device this process cannot use")
+def test_a_device_this_process_cannot_use_is_named():
+    with pytest.raises(ValueError, match="got 'cuda' .*Torch not compiled with CUDA enabled|got 'cuda' "):
+        synthetic_cache(1, 2, 1, 64, 8, device="cuda")
+
+
+def test_numpy_integers_of_a_sweep_are_counts_and_seeds():
+    swept = synthetic_cache(1, 2, 1, 64, 8, heavy_hitters=np.int64(3), seed=np.int64(5))
+    plain = synthetic_cache(1, 2, 1, 64, 8, heavy_hitters=3, seed=5)
+    assert torch.equal(swept.k, plain.k) and torch.equal(swept.heavy_hitters, plain.heavy_hitters)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, "float16"])
