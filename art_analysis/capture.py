@@ -40,6 +40,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import numbers
 import os
 import platform
 import shutil
@@ -57,7 +58,7 @@ from tqdm.auto import tqdm
 from kernels.int_checks import is_finite_real
 
 from .attention_override import override_attention
-from .checks import check_int
+from .checks import as_list, check_int
 from .corpus import Prompt
 from .models import LoadedModel, cache_argument, load_model
 
@@ -467,9 +468,10 @@ def _read_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], floating: 
 
 
 def _index_list(values: Sequence[int], name: str) -> list[int]:
-    values = list(values)
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    values = as_list(values, name, "[0, 15]")
+    if not values or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name} must be a non-empty sequence of ints, got {values!r}")
+    values = [int(v) for v in values]
     if len(set(values)) != len(values):
         raise ValueError(f"{name} has duplicates: {values}")
     return values

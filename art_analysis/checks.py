@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
 import torch
 
@@ -21,6 +22,14 @@ def check_int(value, name: str, minimum: int) -> int:
     if value > INT64_MAX:
         raise ValueError(f"{name} must fit an int64 (at most 2**63 - 1), got {value}")
     return int(value)
+
+
+def as_list(value, name: str, example: str) -> list:
+    """``value`` (a list, tuple, range, 1-D NumPy array or tensor: a sweep's values) as a list; ``TypeError`` naming
+    ``name``, with an ``example``, for a string, a single number or anything else that is not one sequence."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or getattr(value, "ndim", 1) != 1:
+        raise TypeError(f"{name} must be a sequence, e.g. {example}, got {value!r}")
+    return value.tolist() if isinstance(value, torch.Tensor) else list(value)
 
 
 def check_fraction(value, name: str) -> float:

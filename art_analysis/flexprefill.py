@@ -50,7 +50,6 @@ paper's intent:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +58,7 @@ from kernels.int_checks import check_count, check_flags, is_finite_real
 from kernels.prefill_checks import check_block_mask, check_prefill_inputs, check_selection_params
 from kernels.softmax_scale import softmax_scale
 
-from .checks import check_finite
+from .checks import as_list, check_finite
 
 VERTICAL_SLASH = 0
 QUERY_AWARE = 1
@@ -420,10 +419,7 @@ def gamma_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gammas, *, ta
     ``quirks`` are passed to :func:`select_blocks` (``budget_divisor``, ``union_vs_for_query_aware``,
     ``js_eps``).  Inputs as :func:`select_blocks`; computed in float32.
     """
-    if isinstance(gammas, (str, bytes)) or not isinstance(gammas, Iterable) or (
-            isinstance(gammas, torch.Tensor) and gammas.dim() != 1):
-        raise TypeError(f"gammas must be a sequence of numbers in (0, 1] (e.g. [0.9, 0.95]), got {gammas!r}")
-    values = gammas.tolist() if isinstance(gammas, torch.Tensor) else list(gammas)
+    values = as_list(gammas, "gammas", "[0.9, 0.95]")
     if not values:
         raise ValueError("gammas must hold at least one value")
     bad = [g for g in values if not (is_finite_real(g) and 0.0 < g <= 1.0)]

@@ -107,7 +107,7 @@ def test_analysis_inputs_are_checked():
 def test_summaries_name_a_wrong_collection_of_traces_or_rules():
     from art_analysis.analysis.ablation import ablation_table
     from art_analysis.analysis.bounds import bound_table
-    from art_analysis.analysis.sensitivity import pareto_front, threshold_grid
+    from art_analysis.analysis.sensitivity import baseline_sweep, pareto_front, threshold_grid
     from art_analysis.rules_summary import summarize
     from art_analysis.termination import Oracle, sweep
 
@@ -129,6 +129,14 @@ def test_summaries_name_a_wrong_collection_of_traces_or_rules():
     with pytest.raises(TypeError, match="rules must map a name to each rule"):
         bound_table(cache, [rule])
     grid = threshold_grid([trace], [1e-3, 1e-2], [1e-4], [2])
+    # a sweep's values as a NumPy array or a tensor are a grid; a single number or a string is named
+    assert threshold_grid([trace], np.array([1e-3, 1e-2]), [1e-4], torch.tensor([2])).equals(grid)
+    with pytest.raises(TypeError, match=r"taus must be a sequence, e.g. \[1e-3, 1e-2\], got 0.001"):
+        threshold_grid([trace], 1e-3, [1e-4], [2])
+    with pytest.raises(TypeError, match=r"patiences must be a sequence, e.g. \[4, 16\], got tensor\(2\)"):
+        threshold_grid([trace], [1e-3], [1e-4], torch.tensor(2))
+    with pytest.raises(TypeError, match=r"eps must be a sequence, e.g. \[0.01, 0.001\], got 0.1"):
+        baseline_sweep([trace], eps=0.1)
     with pytest.raises(ValueError, match=r"rows lack the column\(s\) \['family'\]: pass by=None"):
         pareto_front(grid)
     assert len(pareto_front(grid, by=None)) >= 1
@@ -160,6 +168,11 @@ def test_studies_check_their_decode_inputs_and_settings_before_any_work():
     for sinks in ((), 4, "4"):
         with pytest.raises(ValueError, match="sink_tokens must be a non-empty list of ints >= 0"):
             recent_window_curves([call], sink_tokens=sinks)
+    with pytest.raises(TypeError, match=r"ks must be a sequence, e.g. \[0.05, 0.1\], got 0.1"):
+        misalignment_rates([call], ks=0.1)
+    for orders in ("sequential", 5):
+        with pytest.raises(TypeError, match=r"orders must be a sequence, e.g. \['sequential', 'sink_recency'\]"):
+            convergence_curves([call], orders=orders)
     with pytest.raises(ValueError, match="each of sink_tokens must be >= 0"):
         recent_window_curves([call], sink_tokens=(4, -1))
     with pytest.raises(TypeError, match="each of sink_tokens must be an int"):

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -392,6 +393,17 @@ def test_load_names_a_damaged_or_mismatched_tensor_file(tmp_path):
     assert torch.equal(unlisted.layer(0)[1], load_file(layer0)["k"])
     with pytest.raises(ValueError, match=r"prefill queries were not recorded for layer 0; recorded layers: \[\]"):
         unlisted.prefill_queries(0)
+
+
+def test_select_takes_a_sweeps_indices_and_names_a_single_one(tmp_path):
+    _write_small_capture(tmp_path / "cap")
+    cap = KVCapture.load(tmp_path / "cap")
+    one = cap.select(layers=np.array([1]), kv_heads=torch.tensor([0]))
+    assert one.layers == (1,) and torch.equal(one.layer(1)[1], cap.layer(1)[1])
+    with pytest.raises(TypeError, match=r"layers must be a sequence, e.g. \[0, 15\], got 0"):
+        cap.select(layers=0)
+    with pytest.raises(TypeError, match=r"kv_heads must be a non-empty sequence of ints, got \[1.5\]"):
+        cap.select(kv_heads=[1.5])
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -272,7 +272,7 @@ def test_select_blocks_rejects_bad_tensors():
 
 
 @pytest.mark.parametrize("gammas, error, match", [
-    (0.9, TypeError, r"gammas must be a sequence of numbers in \(0, 1\] \(e.g. \[0.9, 0.95\]\), got 0.9"),
+    (0.9, TypeError, r"gammas must be a sequence, e.g. \[0.9, 0.95\], got 0.9"),
     ("0.9", TypeError, "gammas must be a sequence"),
     (torch.tensor(0.9), TypeError, "gammas must be a sequence"),
     ([], ValueError, "gammas must hold at least one value"),

@@ -19,7 +19,7 @@ import torch
 from kernels.softmax_scale import softmax_scale
 
 from ..blockwise import BlockTrace
-from ..checks import check_int
+from ..checks import as_list, check_int
 from ..orders import ORDERS
 from .inputs import decode_inputs
 
@@ -88,6 +88,7 @@ def convergence_curves(source, *, orders: Sequence[str] = ORDERS, fractions: tor
         error_mean`` over the ``heads`` (every query head of every sequence).
     """
     fractions = _check_fractions(fractions)
+    orders = as_list(orders, "orders", "['sequential', 'sink_recency']")
     unknown = [o for o in orders if o not in ORDERS]
     if unknown or not orders:
         raise ValueError(f"orders must be a non-empty subset of {ORDERS}, got {list(orders)}")

@@ -18,7 +18,7 @@ import torch
 
 from kernels.softmax_scale import softmax_scale
 
-from ..checks import check_fraction
+from ..checks import as_list, check_fraction
 from .inputs import decode_inputs
 
 
@@ -77,7 +77,7 @@ def misalignment_rates(source, *, top: float = 0.2, ks: Sequence[float] = (0.01,
         the top-``k`` by score).
     """
     top = check_fraction(top, "top")
-    ks = [check_fraction(k, "every k") for k in ks]
+    ks = [check_fraction(k, "every k") for k in as_list(ks, "ks", "[0.05, 0.1]")]
     rows = []
     for call in decode_inputs(source, step):
         for b in range(call.q.shape[0]):

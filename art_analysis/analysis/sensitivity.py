@@ -20,6 +20,7 @@ from typing import Sequence
 import pandas as pd
 
 from ..blockwise import BlockTrace
+from ..checks import as_list
 from ..rules_summary import summarize
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Oracle
 
@@ -45,7 +46,8 @@ def threshold_grid(traces: Sequence[BlockTrace], taus: Sequence[float], phis: Se
     if not isinstance(base, ARTConfig):
         raise TypeError(f"base must be an ARTConfig (the rule whose thresholds the grid sets), got "
                         f"{type(base).__name__}")
-    grid = list(product(taus, phis, patiences))
+    grid = list(product(as_list(taus, "taus", "[1e-3, 1e-2]"), as_list(phis, "phis", "[1e-6, 1e-4]"),
+                        as_list(patiences, "patiences", "[4, 16]")))
     if not grid:
         raise ValueError("taus, phis and patiences must each hold at least one value")
     rules = [replace(base, tau=t, phi=f, patience=p) for t, f, p in grid]
@@ -61,8 +63,9 @@ def baseline_sweep(traces: Sequence[BlockTrace], *, eps: Sequence[float] = (0.1,
 
     Returns one row per rule: ``family, parameter`` plus the summary columns.
     """
-    rules = ([("Oracle", e, Oracle(e)) for e in eps] + [("MassCoverage", g, MassCoverage(g)) for g in gammas]
-             + [("FixedBudget", s, FixedBudget(s)) for s in steps])
+    rules = ([("Oracle", e, Oracle(e)) for e in as_list(eps, "eps", "[0.01, 0.001]")]
+             + [("MassCoverage", g, MassCoverage(g)) for g in as_list(gammas, "gammas", "[0.9, 0.99]")]
+             + [("FixedBudget", s, FixedBudget(s)) for s in as_list(steps, "steps", "[8, 16]")])
     rows = summarize(traces, [rule for *_, rule in rules], oracle_eps=oracle_eps)
     return pd.DataFrame([dict(family=family, parameter=value, **row) for (family, value, _), row in zip(rules, rows)])
 
