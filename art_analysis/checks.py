@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels.int_checks import is_finite_real
+from kernels.int_checks import check_count, is_finite_real
 
 
 INT64_MAX = 2 ** 63 - 1
@@ -30,6 +30,14 @@ def as_list(value, name: str, example: str) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or getattr(value, "ndim", 1) != 1:
         raise TypeError(f"{name} must be a sequence, e.g. {example}, got {value!r}")
     return value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+
+def check_int_count(value, name: str, minimum: int) -> int:
+    """``kernels.int_checks.check_count`` (an int ``>= minimum``, else ``ValueError``) that also takes a NumPy
+    integer, as a sweep passes it; returns a Python ``int``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    return check_count(value, name, minimum)
 
 
 def check_fraction(value, name: str) -> float:

@@ -145,6 +145,20 @@ def test_bad_hyper_parameters(params, match):
         policies.make(**params)
 
 
+def test_numpy_scalars_of_a_sweep_are_hyper_parameters():
+    swept = [policies.make("h2o", budget=0.5, recent_fraction=np.float32(0.25)),
+             policies.make("pyramidkv", budget=0.5, beta=np.float32(5), window=np.int64(8)),
+             policies.make("streaming", budget=0.5, sink_tokens=np.int64(2)),
+             policies.make("quest", budget=0.5, dense_layers=np.int64(1))]
+    plain = [policies.make("h2o", budget=0.5, recent_fraction=0.25),
+             policies.make("pyramidkv", budget=0.5, beta=5.0, window=8),
+             policies.make("streaming", budget=0.5, sink_tokens=2), policies.make("quest", budget=0.5, dense_layers=1)]
+    assert swept == plain
+    assert [type(p.recent_fraction) for p in swept[:1]] == [float] and type(swept[1].window) is int
+    with pytest.raises(ValueError, match=r"recent_fraction must lie in \[0, 1\] \(a real number\), got True"):
+        policies.make("h2o", budget=0.5, recent_fraction=True)
+
+
 def test_bad_tensors():
     k, v, queries = cache()
     policy = policies.make("snapkv", budget=0.5, window=8)

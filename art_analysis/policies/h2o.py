@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import is_finite_real
+
 from .base import BudgetPolicy, SelectionInputs
 from .budget import keep_top_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
@@ -50,9 +52,9 @@ class H2OPolicy(BudgetPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.recent_fraction, bool) or not isinstance(self.recent_fraction, (int, float)) \
-                or not 0 <= self.recent_fraction <= 1:
-            raise ValueError(f"recent_fraction must lie in [0, 1], got {self.recent_fraction!r}")
+        if not (is_finite_real(self.recent_fraction) and 0 <= self.recent_fraction <= 1):
+            raise ValueError(f"recent_fraction must lie in [0, 1] (a real number), got {self.recent_fraction!r}")
+        object.__setattr__(self, "recent_fraction", float(self.recent_fraction))
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)
 

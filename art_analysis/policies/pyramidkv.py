@@ -4,10 +4,11 @@ https://arxiv.org/abs/2406.02069 (layer budgets as in KVCache-Factory's ``pyrami
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from kernels.int_checks import is_finite_real
 
 from .base import SelectionInputs
 from .budget import budget_tokens, tokens_to_blocks
@@ -62,9 +63,9 @@ class PyramidKVPolicy(SnapKVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not math.isfinite(self.beta) \
-                or self.beta < 1:
+        if not (is_finite_real(self.beta) and self.beta >= 1):
             raise ValueError(f"beta must be a finite number >= 1, got {self.beta!r}")
+        object.__setattr__(self, "beta", float(self.beta))
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         if inputs.layer is None or inputs.num_layers is None:

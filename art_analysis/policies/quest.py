@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int_checks import check_count
-
+from ..checks import check_int_count
 from .base import BudgetPolicy, SelectionInputs, validate_inputs
 from .budget import keep_top_blocks
 from .scores import check_group_reduce, grouped_queries, reduce_group
@@ -96,7 +95,7 @@ class QuestPolicy(BudgetPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_group_reduce(self.group_reduce)
-        check_count(self.dense_layers, "dense_layers", 0)
+        object.__setattr__(self, "dense_layers", check_int_count(self.dense_layers, "dense_layers", 0))
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         if inputs.layer is not None and inputs.layer < self.dense_layers:

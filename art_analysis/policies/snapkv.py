@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kernels.int_checks import check_count
-
+from ..checks import check_int_count
 from .base import BudgetPolicy, SelectionInputs
 from .budget import keep_top_blocks, tokens_to_blocks
 from .scores import attention_weights, check_group_reduce, check_sm_scale, reduce_group
@@ -71,7 +70,7 @@ class SnapKVPolicy(BudgetPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_count(self.window, "window", 0)
+        object.__setattr__(self, "window", check_int_count(self.window, "window", 0))
         check_pooling(self.pooling, self.kernel_size)
         check_group_reduce(self.group_reduce)
         check_sm_scale(self.sm_scale)

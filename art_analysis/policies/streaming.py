@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int_checks import check_count
-
+from ..checks import check_int_count
 from .base import BudgetPolicy, SelectionInputs
 from .budget import keep_top_blocks, tokens_to_blocks
 
@@ -32,7 +31,7 @@ class StreamingPolicy(BudgetPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_count(self.sink_tokens, "sink_tokens", 0)
+        object.__setattr__(self, "sink_tokens", check_int_count(self.sink_tokens, "sink_tokens", 0))
 
     def keep_blocks(self, inputs: SelectionInputs) -> torch.Tensor:
         keep = self.kept_block_counts(inputs)
