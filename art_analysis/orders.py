@@ -24,6 +24,7 @@ import operator
 import torch
 
 ORDERS = ("sequential", "recency", "sink_recency", "importance")
+KERNEL_ORDERS = ("sequential", "sink_recency")   # the orders the Triton decode kernel walks
 
 
 def walkable_blocks(cache_seqlens: torch.Tensor, num_kv_heads: int, num_blocks: int, block_size: int,

@@ -37,6 +37,7 @@ from .blockwise import BlockTrace, blockwise_attention
 from kernels.art_params import check_switches, check_threshold
 
 from .checks import check_fraction, check_int
+from .orders import KERNEL_ORDERS
 
 PROBE_SOURCES = ("output", "accumulator")
 PROBE_DIM_NAMES = ("full", "mma")
@@ -98,7 +99,7 @@ class ARTConfig:
             if self.probe_dims.dtype not in (torch.int64, torch.int32) or self.probe_dims.dim() != 1 \
                     or self.probe_dims.numel() == 0:
                 raise ValueError("explicit probe_dims must be a non-empty 1-D integer tensor of head dims")
-        elif self.probe_dims not in PROBE_DIM_NAMES:
+        elif not isinstance(self.probe_dims, str) or self.probe_dims not in PROBE_DIM_NAMES:
             raise ValueError(f"probe_dims must be one of {PROBE_DIM_NAMES} or an index tensor, "
                              f"got {self.probe_dims!r}")
         if self.scale not in SCALES:
@@ -244,6 +245,7 @@ def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
     KV head stops at one step) on a trace with ``kv_heads`` KV heads."""
     if not isinstance(result, StopResult):
         raise TypeError(f"result must be the StopResult of `stop`, got {type(result).__name__}")
+    kv_heads = check_int(kv_heads, "kv_heads", 1)
     batch, q_heads = result.stop_step.shape
     if kv_heads * result.group_size != q_heads:
         raise ValueError(f"kv_heads must be the trace's {q_heads // result.group_size} KV heads ({q_heads} query "
@@ -258,7 +260,13 @@ def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule:
                         order: str = "sink_recency", sm_scale: float | None = None) -> torch.Tensor:
     """The simulator's replay of the kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``
     (kernel mode: fp32 recurrence, ``p`` rounded to the value dtype) at softmax scale ``sm_scale`` (default
-    ``D ** -0.5``): the blocks each ``(b, kv_head)`` loads under ``rule`` (``group="all"``), ``[B, Hkv]`` int64."""
+    ``D ** -0.5``): the blocks each ``(b, kv_head)`` loads under ``rule`` (``group="all"``), ``[B, Hkv]`` int64.
+    ``rule`` must be an ART rule the kernel runs (:meth:`ARTConfig.kernel_params`), ``order`` one it walks."""
+    if not isinstance(rule, ARTConfig):
+        raise TypeError(f"rule must be an ARTConfig (the kernel's rule), got {type(rule).__name__}")
+    rule.kernel_params()                                   # a rule the kernel cannot run is refused here
+    if order not in KERNEL_ORDERS:
+        raise ValueError(f"order must be one the kernel walks, {KERNEL_ORDERS}, got {order!r}")
     trace = blockwise_attention(q, k, v, block_size=block_size, order=order, sm_scale=sm_scale, mode="kernel")
     return kernel_walk_steps(stop(trace, rule), k.shape[1])
 

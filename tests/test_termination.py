@@ -5,7 +5,7 @@ import torch
 from art_analysis.blockwise import BlockTrace, blockwise_attention
 from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import (ARTConfig, FixedBudget, MassCoverage, Oracle, kernel_walk_steps,
-                                      mma_probe_dims, one_minus_cos, stop, sweep)
+                                      mma_probe_dims, one_minus_cos, replay_kernel_walks, stop, sweep)
 
 
 def hand_trace(outputs, kv_heads=1, steps_per_kv=None, accumulator=None, block_mass=None):
@@ -240,10 +240,24 @@ def test_paper_preset_and_kernel_params():
     (dict(tau=True), "tau must be a finite number >= 0, got True"),
     (dict(patience=2 ** 70), r"patience must fit an int64 \(at most 2\*\*63 - 1\), got 1180591620717411303424"),
     (dict(min_steps=10 ** 30), "min_steps must fit an int64"),
+    (dict(probe_dims=np.array([0, 1])), r"probe_dims must be one of \('full', 'mma'\) or an index tensor, got array"),
 ])
 def test_bad_config_gets_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ARTConfig(**kwargs)
+
+
+def test_the_kernels_replay_refuses_a_rule_or_order_the_kernel_does_not_run():
+    cache = synthetic_cache(1, 4, 2, 256, 16, seed=1)
+    args = (cache.q, cache.k, cache.v)
+    with pytest.raises(TypeError, match="rule must be an ARTConfig .*got Oracle"):
+        replay_kernel_walks(*args, Oracle(0.01))
+    with pytest.raises(ValueError, match="group='all'"):
+        replay_kernel_walks(*args, ARTConfig(group="head"))
+    with pytest.raises(ValueError, match=r"order must be one the kernel walks, \('sequential', 'sink_recency'\), "
+                                         r"got 'recency'"):
+        replay_kernel_walks(*args, ARTConfig(), order="recency")
+    assert replay_kernel_walks(*args, ARTConfig(patience=2), block_size=16).shape == (1, 2)
 
 
 def test_the_largest_counts_stop_where_no_rule_can_stop():
@@ -301,6 +315,8 @@ def test_bad_baselines_and_rules():
         stop(trace, ARTConfig(probe_dims=torch.tensor([5])))
     with pytest.raises(TypeError, match="result must be the StopResult of `stop`, got NoneType"):
         kernel_walk_steps(None, 2)
+    with pytest.raises(TypeError, match="kv_heads must be an int, got float"):
+        kernel_walk_steps(stop(trace, ARTConfig()), 1.0)
 
 
 def test_kernel_walk_steps_are_the_group_stop_plus_one_per_kv_head():

@@ -44,7 +44,7 @@ from ..blockwise import blockwise_attention
 from ..corpus import Prompt
 from ..kernel_attention import KernelAttention, check_full_attention, visible_lengths
 from ..models import cache_argument
-from ..orders import ORDERS, check_token_range, walks_reading
+from ..orders import KERNEL_ORDERS, ORDERS, check_token_range, walks_reading
 from ..policies.quest import group_block_bounds
 from ..termination import ARTConfig, Rule, stop
 
@@ -164,7 +164,6 @@ def _repeated(cache, rows: int):
 BACKENDS = ("simulator", "kernel", "kernel_single_walk")
 # the backends that decode the ART rules through the Triton kernel, and the mark of their rows
 KERNEL_BACKENDS = {"kernel": " (kernel)", "kernel_single_walk": " (kernel, single walks)"}
-KERNEL_ORDERS = ("sequential", "sink_recency")
 
 
 def check_backend(backend: str, block_size: int, order: str) -> None:
