@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 from kernels.int_checks import is_finite_real
 
 from .attention_override import override_attention
-from .checks import as_list, check_int
+from .checks import as_list, check_int, usable_device
 from .corpus import Prompt
 from .models import LoadedModel, cache_argument, load_model
 
@@ -326,10 +326,7 @@ class KVCapture:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         view = self._view
         if device is not None:
-            try:
-                view = replace(view, device=torch.device(device))
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
+            view = replace(view, device=usable_device(device))
         if dtype is not None:
             view = replace(view, dtype=dtype)
         return self._derive(view)
@@ -366,6 +363,8 @@ class KVCapture:
     @classmethod
     def load(cls, directory: str | os.PathLike) -> KVCapture:
         """Open a saved capture; layers are read from disk one at a time when asked for."""
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a capture folder's path, got {type(directory).__name__}")
         src = Path(directory)
         meta_path = src / METADATA_FILE
         if not meta_path.is_file():
@@ -377,9 +376,11 @@ class KVCapture:
                              "the capture's metadata is damaged") from exc
         if not isinstance(metadata, dict):
             raise ValueError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not a capture's metadata object")
-        if metadata.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{str(src)!r} has capture format {metadata.get('format_version')!r}; "
-                             f"this version reads format {FORMAT_VERSION}")
+        version = metadata.get("format_version")
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            kind = "" if isinstance(version, int) and not isinstance(version, bool) else f" (a {type(version).__name__})"
+            raise ValueError(f"{str(src)!r} has capture format {version!r}{kind}; this version reads format "
+                             f"{FORMAT_VERSION}, an int")
         if not isinstance(metadata.get("layers"), list):
             raise ValueError(f"{str(meta_path)!r} lists no layers; the capture's metadata is damaged")
         _check_metadata(metadata, meta_path)

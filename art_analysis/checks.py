@@ -12,6 +12,18 @@ from kernels.int_checks import check_count, is_finite_real
 INT64_MAX = 2 ** 63 - 1
 
 
+def usable_device(device) -> torch.device:
+    """``device`` (a ``torch.device`` or its name) as a device this process can allocate on, else ``ValueError``
+    naming it (torch's own errors say ``Torch not compiled with CUDA enabled`` or list every device type)."""
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        raise ValueError(f"device must be a torch.device or a name like 'cpu' or 'cuda:0' that this process can use, "
+                         f"got {device!r} ({str(exc).splitlines()[0]})") from None
+    return resolved
+
+
 def check_int(value, name: str, minimum: int) -> int:
     """``value`` must be an integer (an ``int`` or a NumPy integer of a sweep, not a ``bool``) ``>= minimum`` that
     fits an int64 (the tensors it meets); returns it as an ``int``."""

@@ -24,6 +24,8 @@ import torch
 
 from kernels.int_checks import check_cache_dims, is_finite_real
 
+from .checks import usable_device
+
 
 @dataclass
 class SyntheticCache:
@@ -53,18 +55,6 @@ PRESETS = {
     # Very peaked attention: almost everything on the sink and the last tokens.
     "peaked": dict(sink=12.0, recency=9.0, recency_scale=128.0, heavy=4.0, noise=0.5),
 }
-
-
-def _usable_device(device) -> torch.device:
-    """``device`` (a ``torch.device`` or its name) as a device this process can allocate on, else ``ValueError``
-    naming it (torch's own errors say ``Torch not compiled with CUDA enabled`` or list every device type)."""
-    try:
-        resolved = torch.device(device)
-        torch.empty(0, device=resolved)
-    except (RuntimeError, TypeError, AssertionError) as exc:
-        raise ValueError(f"device must be a torch.device or a name like 'cpu' or 'cuda:0' that this process can use, "
-                         f"got {device!r} ({str(exc).splitlines()[0]})") from None
-    return resolved
 
 
 def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2, seqlen: int = 4096,
@@ -103,7 +93,7 @@ def synthetic_cache(batch: int = 1, num_q_heads: int = 8, num_kv_heads: int = 2,
         raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-    device = _usable_device(device)
+    device = usable_device(device)
 
     gen = torch.Generator().manual_seed(int(seed))
     group = num_q_heads // num_kv_heads

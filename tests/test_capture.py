@@ -277,6 +277,9 @@ def test_load_rejects_a_folder_that_is_not_a_capture(tmp_path):
     ("[1, 2]", "holds a list, not a capture's metadata object"),
     ("{\"format_version\": 1}", "lists no layers"),
     (b"\xff\xfe{}", "is not valid JSON .*can't decode byte 0xff.*the capture's metadata is damaged"),
+    ("{\"format_version\": 2}", "has capture format 2; this version reads format 1, an int"),
+    ("{\"format_version\": \"1\"}", r"has capture format '1' \(a str\); this version reads format 1, an int"),
+    ("{\"format_version\": true}", r"has capture format True \(a bool\)"),
 ])
 def test_load_names_damaged_metadata(tmp_path, text, message):
     (tmp_path / "metadata.json").write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -419,8 +422,14 @@ def test_load_refuses_metadata_whose_layers_do_not_fit(tmp_path, changes, messag
 
 def test_to_names_a_device_that_is_not_one(tmp_path):
     _write_small_capture(tmp_path / "cap")
-    with pytest.raises(ValueError, match="device must name a torch device .*got 'nope'"):
+    with pytest.raises(ValueError, match="device must be a torch.device or a name like 'cpu' or 'cuda:0' that this "
+                                         "process can use, got 'nope'"):
         KVCapture.load(tmp_path / "cap").to(device="nope")
+    if not torch.cuda.is_available():      # a device this process cannot use is named at once, not at the first read
+        with pytest.raises(ValueError, match="got 'cuda' .*Torch not compiled with CUDA enabled"):
+            KVCapture.load(tmp_path / "cap").to(device="cuda")
+    with pytest.raises(TypeError, match="directory must be a capture folder's path, got NoneType"):
+        KVCapture.load(None)
 
 
 def test_save_keeps_the_umask_mode_of_a_new_folder(tmp_path):
