@@ -52,6 +52,17 @@ def check_int_count(value, name: str, minimum: int) -> int:
     return check_count(value, name, minimum)
 
 
+def check_rows(rows, columns, producer: str) -> None:
+    """``rows`` must be a pandas DataFrame holding ``columns``, as ``producer`` (named in the errors) returns them."""
+    import pandas as pd
+
+    if not isinstance(rows, pd.DataFrame):
+        raise TypeError(f"rows must be the DataFrame of {producer}, got {type(rows).__name__}")
+    missing = [column for column in columns if column not in rows.columns]
+    if missing:
+        raise ValueError(f"rows lack the column(s) {missing} of {producer}")
+
+
 def check_fraction(value, name: str) -> float:
     """``value`` must be a finite real number (``int``, ``float`` or a NumPy scalar, not a ``bool``) in ``(0, 1]``;
     returns it as a float."""

@@ -188,6 +188,12 @@ def test_misalignment_scores_at_the_inputs_softmax_scale(scaled):
     assert rates["misaligned_rate"].tolist() == misaligned_fraction(score, contribution, 0.05).tolist()
     default, _ = token_scores(scaled.q[0], scaled.k[0], scaled.v[0], 1000)
     assert not torch.allclose(score, default)
+    with pytest.raises(TypeError, match="seqlen must be an int, got float"):
+        token_scores(scaled.q[0], scaled.k[0], scaled.v[0], 3.5)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        token_scores(scaled.q[0].tolist(), scaled.k[0], scaled.v[0], 1000)
+    with pytest.raises(TypeError, match="trace must be the BlockTrace of q, k, v .*got str"):
+        truncation_report("x", scaled.q, scaled.k, scaled.v, torch.zeros(1, 4, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------- sensitivity
@@ -207,6 +213,13 @@ def test_threshold_grid_rows_equal_single_evaluations(walks):
     assert choose_setting(grid, max_p99_error=-1.0)["within_bound"] is False
     with pytest.raises(ValueError, match="the grid's table is empty"):
         choose_setting(grid.iloc[:0])
+    for bound in (float("nan"), "0.1"):             # NaN would meet no setting and fall back without a word
+        with pytest.raises(ValueError, match="max_p99_error must be a finite number"):
+            choose_setting(grid, max_p99_error=bound)
+    with pytest.raises(TypeError, match="rows must be the DataFrame of threshold_grid, got list"):
+        choose_setting([1, 2])
+    with pytest.raises(ValueError, match=r"rows lack the column\(s\) \['rel_error_p99'\] of threshold_grid"):
+        choose_setting(grid.drop(columns="rel_error_p99"))
 
 
 def test_false_stops_are_the_heads_stopped_before_the_oracle(walks):
@@ -281,6 +294,10 @@ def test_a_violated_bound_is_reported():
     table = bound_table(captured_inputs(1), {"fixed_1": FixedBudget(1)})
     table.loc[0, "bound_mean_holds"] = False
     assert bound_summary(table)["bound_mean_holds"].iloc[0] < 1
+    with pytest.raises(ValueError, match=r"rows lack the column\(s\) \['rule'\] of bound_table"):
+        bound_summary(table.drop(columns="rule"))
+    with pytest.raises(TypeError, match="art must be an ARTConfig .*got str"):
+        bound_rules("x")
 
 
 # ----------------------------------------------------------------------------- composition

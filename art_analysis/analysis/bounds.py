@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from ..blockwise import BlockTrace, check_decode_call
-from ..checks import valid_token_mask
+from ..checks import check_rows, valid_token_mask
 from ..policies.quest import block_score_bounds
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, stop
 from .inputs import decode_inputs
@@ -69,6 +69,8 @@ def truncation_report(trace: BlockTrace, q: torch.Tensor, k: torch.Tensor, v: to
         stop_step: ``[B, Hq]`` last visited step (e.g. ``stop(trace, rule).stop_step``).
         cache_seqlens: ``[B]`` as given to the simulator.
     """
+    if not isinstance(trace, BlockTrace):
+        raise TypeError(f"trace must be the BlockTrace of q, k, v (blockwise_attention), got {type(trace).__name__}")
     seqlens, _ = check_decode_call(q, k, v, cache_seqlens, trace.sm_scale)
     batch, kv_heads, seqlen, dim = k.shape
     group = trace.group_size
@@ -154,6 +156,8 @@ def _block_set(ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.
 def bound_rules(art: ARTConfig | None = None) -> dict:
     """The stops at which the studies check the bounds (they must hold at any stop): ``art`` (default
     ``ARTConfig()``), the paper's preset, 90% mass coverage and eight blocks."""
+    if art is not None and not isinstance(art, ARTConfig):
+        raise TypeError(f"art must be an ARTConfig (or None for ARTConfig()), got {type(art).__name__}")
     return {"art": art or ARTConfig(), "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9),
             "fixed_8": FixedBudget(8)}
 
@@ -196,6 +200,8 @@ def bound_summary(table: pd.DataFrame) -> pd.DataFrame:
     the share of heads where each bound holds (must be 1: a failure is a bug), the median tightness
     ``bound / error`` over truncated heads, the worst identity residual, and the share of truncated
     heads whose certified bound is at most 0.05."""
+    check_rows(table, ("rule", "rho", "error", "identity_residual", *BOUNDS, *(f"{b}_holds" for b in BOUNDS)),
+               "bound_table")
     rows = []
     for rule, group in table.groupby("rule", sort=False):
         truncated = group[group["rho"] > 0]

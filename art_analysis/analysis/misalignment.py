@@ -18,7 +18,7 @@ import torch
 
 from kernels.softmax_scale import softmax_scale
 
-from ..checks import as_list, check_fraction
+from ..checks import as_list, check_fraction, check_int
 from .inputs import decode_inputs
 
 
@@ -33,6 +33,10 @@ def token_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen: int,
     Returns:
         ``(score, contribution)``, both ``[Hkv, seqlen]`` float64 (max over the group's query heads).
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    seqlen = check_int(seqlen, "seqlen", 1)
     if q.dim() != 2 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"expected q [Hq, D] and k, v [Hkv, S, D] with one D; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")

@@ -19,8 +19,10 @@ from typing import Sequence
 
 import pandas as pd
 
+from kernels.int_checks import is_finite_real
+
 from ..blockwise import BlockTrace
-from ..checks import as_list
+from ..checks import as_list, check_rows
 from ..rules_summary import summarize
 from ..termination import ARTConfig, FixedBudget, MassCoverage, Oracle
 
@@ -74,6 +76,7 @@ def pareto_front(rows: pd.DataFrame, *, cost: str = "loaded_fraction", error: st
                  by: str | None = "family") -> pd.DataFrame:
     """The rows no other row (of the same ``by`` group) beats on both ``cost`` and ``error``,
     sorted by ``cost``."""
+    check_rows(rows, (), "threshold_grid or baseline_sweep")
     missing = [column for column in (cost, error, by) if column is not None and column not in rows.columns]
     if missing:
         raise ValueError(f"rows lack the column(s) {missing}: pass by=None for rows of one family (e.g. "
@@ -106,6 +109,9 @@ def _plain(row: pd.Series) -> dict:
 def choose_setting(rows: pd.DataFrame, max_p99_error: float = ERROR_BOUND) -> dict:
     """:func:`pick_default` plus ``within_bound=True``; when no setting meets the bound, the setting
     with the smallest 99th-percentile error, with ``within_bound=False``."""
+    check_rows(rows, ("rel_error_p99", "loaded_fraction"), "threshold_grid")
+    if not is_finite_real(max_p99_error):
+        raise ValueError(f"max_p99_error must be a finite number, got {max_p99_error!r}")
     if rows.empty:
         raise ValueError("no threshold setting to choose from: the grid's table is empty")
     try:
