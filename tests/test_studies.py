@@ -310,6 +310,9 @@ def test_composition_table_per_policy(realistic):
     assert dense["loaded_fraction"] == pytest.approx(dense["art_loaded_of_kept"])
     with pytest.raises(ValueError, match="policy spec"):
         compose_with_art(realistic, [])
+    for art in ("x", ARTConfig().kernel_params()):                 # named before the first walk
+        with pytest.raises(TypeError, match=r"art must be an ARTConfig \(or None for ARTConfig\(\)\), got"):
+            compose_with_art(realistic, ["dense"], art=art)
 
 
 def test_composition_walks_and_scores_at_the_inputs_softmax_scale(scaled):

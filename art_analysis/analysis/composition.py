@@ -48,6 +48,8 @@ def compose_with_art(source, policy_specs: Sequence[str | SelectionPolicy] = DEF
         raise ValueError("compose_with_art needs at least one policy spec")
     if order not in WALK_ORDERS:
         raise ValueError(f"order must be one of {WALK_ORDERS} (the walks over a policy's kept blocks), got {order!r}")
+    if art is not None and not isinstance(art, ARTConfig):
+        raise TypeError(f"art must be an ARTConfig (or None for ARTConfig()), got {type(art).__name__}")
     art = art or ARTConfig()
     policies = [(spec.spec, spec) if isinstance(spec, SelectionPolicy) else (spec, parse_spec(spec))
                 for spec in policy_specs]
