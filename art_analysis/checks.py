@@ -104,6 +104,8 @@ def check_cache_seqlens(cache_seqlens, batch: int, seqlen: int, device: torch.de
     """Valid tokens per sequence as ``LongTensor [B]`` in ``[1, S]`` (``None`` means ``S`` for all)."""
     if cache_seqlens is None:
         return torch.full((batch,), seqlen, dtype=torch.long, device=device)
+    if isinstance(cache_seqlens, (str, bytes)):
+        raise TypeError(f"cache_seqlens must be an integer tensor [B], got {cache_seqlens!r}")
     seqlens = torch.as_tensor(cache_seqlens, device=device)
     if seqlens.is_floating_point() or seqlens.dtype == torch.bool:
         raise TypeError(f"cache_seqlens must be an integer tensor [B], got {seqlens.dtype}")

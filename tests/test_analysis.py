@@ -160,7 +160,7 @@ def test_studies_check_their_decode_inputs_and_settings_before_any_work():
         for study in (convergence_curves, recent_window_curves, misalignment_rates):
             with pytest.raises(error, match=message):
                 study([bad])
-    for fractions in ([float("nan")], [-0.5], [2.0], []):
+    for fractions in ([float("nan")], [-0.5], [2.0], [], "0.5"):
         with pytest.raises(ValueError, match=r"fractions must be loaded fractions in \[0, 1\]"):
             convergence_curves([call], fractions=fractions)
         with pytest.raises(ValueError, match=r"fractions must be loaded fractions in \[0, 1\]"):

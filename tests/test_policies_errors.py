@@ -178,6 +178,8 @@ def test_bad_tensors():
         policy.select(k, v, queries=queries, block_size=8, cache_seqlens=torch.tensor([41]))
     with pytest.raises(TypeError, match="cache_seqlens must be an integer tensor"):
         policy.select(k, v, queries=queries, block_size=8, cache_seqlens=torch.tensor([4.0]))
+    with pytest.raises(TypeError, match=r"cache_seqlens must be an integer tensor \[B\], got '5'"):
+        policy.select(k, v, queries=queries, block_size=8, cache_seqlens="5")
     with pytest.raises(ValueError, match=r"layer must lie in \[0, num_layers=2\)"):
         policy.select(k, v, queries=queries, block_size=8, layer=2, num_layers=2)
     bad = k.clone()

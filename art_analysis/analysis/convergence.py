@@ -57,6 +57,8 @@ def _check_fractions(fractions) -> torch.Tensor:
     """``fractions`` (default ``DEFAULT_FRACTIONS``) as a float64 ``[F]`` tensor of loaded fractions in ``[0, 1]``."""
     if fractions is None:
         return DEFAULT_FRACTIONS
+    if isinstance(fractions, (str, bytes)):
+        raise ValueError(f"fractions must be loaded fractions in [0, 1] (at least one), got {fractions!r}")
     values = torch.as_tensor(fractions, dtype=torch.float64).flatten()
     if values.numel() == 0 or not bool(((values >= 0) & (values <= 1)).all()):
         raise ValueError(f"fractions must be loaded fractions in [0, 1] (at least one), got {values.tolist()}")
