@@ -69,7 +69,7 @@ mean walks of 33-41 blocks on the synthetic caches and 63-86 on the SmolLM2 laye
 B = 128).  A call cannot end before its longest walk, and only the data knows that length: the caller can pass it
 (``longest_stop_steps``, e.g. the longest walk of the layer's previous call, which ``walk_hint`` carries), else it
 is taken as ``ART_STOP_MARGIN`` (2)
-earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 39-65 at 8k-128k) but
+earliest ends, 34 steps for ``ARTConfig()``, which fits the synthetic caches (longest walks 36-65 at 8k-128k) but
 not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-128k).  Hence the default
 (:func:`kernels.split_plan.choose_split_plan`): the dense split count, and
 
@@ -388,7 +388,7 @@ can flip a stable/unstable decision; the tests count such stop steps (1 of 1568
 change ``1 - cos`` is computed from the change vector, ``(|x - x_old|^2 - (n - n_old)^2) / (2 n n_old)``,
 as in the simulator (``art_analysis.termination.one_minus_cos``): the textbook ``1 - x.y / (n n_old)``
 carries an fp32 rounding error as large as the default ``phi = 1e-6`` and set 19 of 120 stop steps at the
-benchmark's sizes (V26; now 120 of 120 agree).  The output probe's norm is the accumulator's, summed as
+benchmark's sizes (V26; since then every pair agrees: 624 of 624 in V79's run).  The output probe's norm is the accumulator's, summed as
 ``sum acc^2`` in fp32 and scaled by ``1 / l`` after the root; the simulator forms ``acc / l`` first.  So for
 values so large that ``sum acc^2`` overflows (``|v| l`` about ``1e18``: beyond any fp16 cache, and beyond real
 models' bf16 or fp32 values by many orders of magnitude) the kernel's monitor saturates where the simulator's does not

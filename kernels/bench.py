@@ -31,8 +31,9 @@ measures:
 * the dense default at batch sizes off the grid, where the programs fill the multiprocessors unevenly, and at the
   grid's up to 64 (``dense_batches``: ``DENSE_BATCHES`` x ``DENSE_BATCH_LENGTHS``) against cuDNN and flash SDPA,
   and beside it the one-wave plan of 64-token blocks (:func:`kernels.split_plan.one_wave_small_block_splits`) at every
-  shape, which the default takes at 8k where its 128-token grid runs short waves (V71), each timing
-  over ``DENSE_BATCH_REP_MS`` (:func:`bench_dense_batches`, summarised by :func:`dense_batches_summary`);
+  shape, which the default takes for walks of at most 8k tokens (4k too) where its 128-token grid runs short waves
+  (V71), each timing over ``DENSE_BATCH_REP_MS`` (:func:`bench_dense_batches`, summarised by
+  :func:`dense_batches_summary`);
 * the paged layout (``paged``): dense and ART at the launcher's defaults on the synthetic cache at
   ``PAGED_CASES`` and on shuffled page pools of it with pages of ``PAGE_SIZES`` tokens
   (:func:`bench_paged`), each time over the contiguous layout's, and whether the paged ART walks equal
