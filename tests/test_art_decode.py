@@ -1347,7 +1347,7 @@ def test_unread_lengths_give_the_read_calls_result_without_reading_them(paged, m
                                 return_lse=True, return_stats=True, read_lengths=False)
         for a, b in zip(read, unread):
             assert torch.equal(a, b), (paged, art)
-    with pytest.raises(TypeError, match="read_lengths must be a bool"):
+    with pytest.raises(TypeError, match="read_lengths must be True or False, got 0"):
         art_decode(q, k, v, cache_seqlens=lengths, block_table=table, read_lengths=0)
 
 
