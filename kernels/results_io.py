@@ -13,12 +13,21 @@ from pathlib import Path
 SOURCE_COMMIT_ENV = "ART_SOURCE_COMMIT"   # names the commit of a tree copied without its history
 
 
+def new_file_mode() -> int:
+    """The mode a plain ``open`` gives a new file: ``0o666`` less the process's umask (a temporary file is made
+    ``0o600`` and takes this before it is renamed into place)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from art_analysis.plots.decode_loop import STYLES, decode_loop_figure, main
 
 
@@ -16,7 +18,8 @@ def _payload() -> dict:
                  {"step": step, "impl": "art_calibrated", "ms": 1.5, "num_splits": 5},
                  {"step": step, "impl": "art_on_demand", "ms": 1.8, "num_splits": 8}]
     summary = {"previous_step_over_dense": 7.0 / 6.0, "default_over_dense": 12.0 / 6.0, "on_demand_over_dense": 0.9}
-    return {"device": "GPU", "capture": "layer_015.safetensors", "batch": 32, "date": "2026-12-02T00:00:00",
+    return {"suite": "decode-loop", "device": "GPU", "capture": "layer_015.safetensors", "batch": 32,
+            "date": "2026-12-02T00:00:00",
             "loops": [{"seqlen": 8192, "rows": rows, "summary": summary},
                       {"seqlen": 32768, "rows": rows[:4], "summary": summary}]}
 
@@ -65,3 +68,18 @@ def test_module_writes_the_figure_from_the_benchmark_json(tmp_path):
     source.write_text(json.dumps(_payload()))
     assert main([str(source), "--out", str(tmp_path / "loop.png")]) == 0
     assert (tmp_path / "loop.png").stat().st_size > 0 and (tmp_path / "loop.pdf").stat().st_size > 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is not a file"), ("{", "is not valid JSON"), ("[1]", "holds a list, not a JSON object"),
+    (json.dumps({"suite": "flexprefill", "rows": [], "loops": []}), "is a result of the suite 'flexprefill', not "
+                                                                     "'decode-loop'"),
+])
+def test_module_names_a_file_that_is_not_a_decode_loop_result_before_drawing(content, message, tmp_path, capsys):
+    source = tmp_path / "loop.json"
+    if content is not None:
+        source.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(source), "--out", str(tmp_path / "loop.png")])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if content is None else ["loop.json"])

@@ -3,6 +3,8 @@ were measured with."""
 import hashlib
 import json
 import math
+import os
+import stat
 import subprocess
 
 import numpy as np
@@ -85,3 +87,13 @@ def test_a_result_with_undefined_numbers_is_written_as_standard_json(tmp_path):
                              dict(rule="b", error_mean=None, certified=0.5)],
                     "spread": [1.0, None], "nested": {"x": [None, 2]}, "count": 3, "name": "nan", "flag": True}
     assert payload["nested"]["x"][0] != payload["nested"]["x"][0]        # the caller's payload is left as it was
+
+
+def test_a_result_file_takes_the_mode_of_a_plain_write(tmp_path):
+    mask = os.umask(0o027)
+    try:
+        write_json_atomic(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o640        # not mkstemp's 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .figure_io import save_figure
+from .figure_io import demo_main, save_figure
 
 
 def plot_ablation(table: pd.DataFrame, path: str | Path, title: str = "ART ablations") -> Path:
@@ -32,14 +32,18 @@ def plot_ablation(table: pd.DataFrame, path: str | Path, title: str = "ART ablat
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.ablation import ablation_table
     from ..analysis.inputs import traces
     from ..synthetic import synthetic_cache
 
     walks = traces(synthetic_cache(1, 8, 2, 8192, 64, preset="realistic"))
-    print(plot_ablation(ablation_table(walks), "figures/synthetic/ablation.png"))
+    print(plot_ablation(ablation_table(walks), out / "ablation.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

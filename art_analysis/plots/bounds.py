@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figure_io import save_figure
+from .figure_io import demo_main, save_figure
 
 BOUND_LABELS = {"bound_mean": "rho_R (||Obar_R|| + ||O^(t)||)", "bound_max_value": "rho_R (max ||v|| + ||O^(t)||)",
                 "bound_certified": "certified (key min/max)"}
@@ -43,14 +43,18 @@ def plot_bounds(table: pd.DataFrame, path: str | Path, title: str = "Truncation 
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.bounds import bound_table
     from ..synthetic import synthetic_cache
     from ..termination import ARTConfig
 
     cache = synthetic_cache(1, 8, 2, 8192, 64, preset="realistic")
-    print(plot_bounds(bound_table(cache, {"art": ARTConfig()}), "figures/synthetic/bounds.png"))
+    print(plot_bounds(bound_table(cache, {"art": ARTConfig()}), out / "bounds.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figure_io import save_figure
+from .figure_io import demo_main, save_figure
 
 
 def plot_composition(table: pd.DataFrame, path: str | Path,
@@ -37,13 +37,17 @@ def plot_composition(table: pd.DataFrame, path: str | Path,
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.composition import compose_with_art
     from ..synthetic import synthetic_cache
 
     cache = synthetic_cache(1, 8, 2, 4096, 64, preset="realistic")
-    print(plot_composition(compose_with_art(cache), "figures/synthetic/composition.png"))
+    print(plot_composition(compose_with_art(cache), out / "composition.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .figure_io import finish_log_axes, save_figure
+from .figure_io import demo_main, finish_log_axes, save_figure
 
 ERROR_FLOOR = 1e-8
 
@@ -65,14 +65,18 @@ def plot_recent_window(window: pd.DataFrame, path: str | Path, layers: Sequence[
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.convergence import convergence_curves, recent_window_curves
     from ..synthetic import synthetic_cache
 
     cache = synthetic_cache(1, 8, 2, 8192, 64, preset="realistic")
-    print(plot_convergence(convergence_curves(cache), "figures/synthetic/convergence.png"))
-    print(plot_recent_window(recent_window_curves(cache), "figures/synthetic/recent_window.png"))
+    print(plot_convergence(convergence_curves(cache), out / "convergence.png"))
+    print(plot_recent_window(recent_window_curves(cache), out / "recent_window.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -66,7 +66,7 @@ def decode_loop_figure(payload: dict):
 
 def main(argv: list[str] | None = None) -> int:
     return figure_from_json_main(argv, __doc__.splitlines()[0], decode_loop_figure, Path("figures/decode_loop.png"),
-                                 "JSON of art-analysis bench --suite decode-loop")
+                                 "JSON of art-analysis bench --suite decode-loop", "art-decode-loop")
 
 
 if __name__ == "__main__":

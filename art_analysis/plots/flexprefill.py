@@ -1,11 +1,11 @@
 """FlexPrefill figures: pattern per layer and head, kept fraction, error and latency against gamma.
 
-``python -m art_analysis.plots.flexprefill`` draws all four on a synthetic prefill and the
-newest ``benchmarks/results/*-flexprefill.json`` (if any) into ``figures/``.
+``python -m art_analysis.plots.flexprefill [--out FOLDER]`` draws all four on a synthetic prefill and the
+newest ``benchmarks/results/*-flexprefill.json`` (if any) into ``figures/synthetic`` (``art-analysis flexprefill``
+draws them of a capture).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from .figure_io import save_figure
+from .figure_io import demo_main, save_figure
 
 
 def plot_patterns(js_distance: torch.Tensor, query_aware: torch.Tensor, row_labels: Sequence[str], tau: float,
@@ -90,7 +90,11 @@ def plot_latency_vs_gamma(rows: Sequence[dict], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from kernels.bench_flexprefill import structured_prefill
     from kernels.results_io import latest_result
 
@@ -99,16 +103,19 @@ def main() -> None:
     q, k, v = structured_prefill(1, 8, 4, 4096, 64, seed=0, dtype=torch.float32, device="cpu")
     sweep = gamma_sweep(q, k, v, [0.8, 0.85, 0.9, 0.95, 0.99], tau=0.1, block_size=64, min_budget=256)
     print(plot_patterns(sweep.js_distance, sweep.pattern == QUERY_AWARE, ["synthetic"], 0.1,
-                        "figures/flexprefill_patterns.png"))
+                        out / "flexprefill_patterns.png"))
     label = "synthetic N=4k"
     print(plot_kept_vs_gamma({label: (sweep.gammas, sweep.kept_fraction.mean(dim=(1, 2)))},
-                             "figures/flexprefill_kept_vs_gamma.png"))
+                             out / "flexprefill_kept_vs_gamma.png"))
     print(plot_error_vs_gamma({label: (sweep.gammas, sweep.rel_error.mean(dim=(1, 2)))},
-                              "figures/flexprefill_error_vs_gamma.png"))
+                              out / "flexprefill_error_vs_gamma.png"))
     bench = latest_result("flexprefill")
     if bench is not None:
-        print(plot_latency_vs_gamma(json.loads(bench.read_text())["rows"], "figures/flexprefill_latency_vs_gamma.png"))
+        from ..cli.figures import read_benchmark_result
+
+        print(plot_latency_vs_gamma(read_benchmark_result(bench, "flexprefill")["rows"],
+                                    out / "flexprefill_latency_vs_gamma.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,14 +5,13 @@ Reads the JSON written by :func:`kernels.bench.run` (``benchmarks/results/<date>
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from kernels.results_io import latest_result
 
-from .figure_io import save_figure
+from .figure_io import read_figure_input, save_figure
 
 IMPL_STYLES = {
     "cudnn_sdpa": dict(color="tab:blue", marker="o", label="cuDNN SDPA"),
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.results or latest_result("art-decode")
     if path is None:
         parser.error("no *-art-decode.json in benchmarks/results: pass the benchmark JSON")
-    print(plot_kernel_speed(json.loads(path.read_text()), args.out))
+    print(plot_kernel_speed(read_figure_input(parser, path, "art-decode"), args.out))
     return 0
 
 

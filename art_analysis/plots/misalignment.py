@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .figure_io import save_figure
+from .figure_io import demo_main, save_figure
 
 
 def plot_score_vs_contribution(tokens: pd.DataFrame, path: str | Path, kv_head: int = 0, b: int = 0,
@@ -65,14 +65,18 @@ def plot_misalignment_rates(rates: pd.DataFrame, path: str | Path,
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.misalignment import misaligned_tokens, misalignment_rates
     from ..synthetic import synthetic_cache
 
     cache = synthetic_cache(1, 8, 2, 4096, 64, preset="realistic", value_outliers=64)
-    print(plot_score_vs_contribution(misaligned_tokens(cache), "figures/synthetic/misalignment.png"))
-    print(plot_misalignment_rates(misalignment_rates(cache), "figures/synthetic/misalignment_rates.png"))
+    print(plot_score_vs_contribution(misaligned_tokens(cache), out / "misalignment.png"))
+    print(plot_misalignment_rates(misalignment_rates(cache), out / "misalignment_rates.png"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figure_io import finish_log_axes, save_figure
+from .figure_io import demo_main, finish_log_axes, save_figure
 
 ERROR_FLOOR = 1e-8
 FAMILY_STYLES = {"Oracle": dict(color="black", marker="s"), "MassCoverage": dict(color="tab:orange", marker="o"),
@@ -123,7 +123,11 @@ def plot_false_stops(grid: pd.DataFrame, path: str | Path, chosen: dict | None =
     return save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return demo_main(argv, __doc__.splitlines()[0], _draw_demo)
+
+
+def _draw_demo(out: Path) -> None:
     from ..analysis.inputs import traces
     from ..analysis.sensitivity import baseline_sweep, pick_default, threshold_grid
     from ..synthetic import synthetic_cache
@@ -131,11 +135,11 @@ def main() -> None:
     walks = traces(synthetic_cache(1, 8, 2, 8192, 64, preset="realistic"))
     grid = threshold_grid(walks, [1e-2, 1e-3, 1e-4], [1e-4, 1e-5, 1e-6], [2, 4, 8, 16])
     chosen = pick_default(grid, 0.05)
-    print(plot_threshold_heatmaps(grid, "figures/synthetic/sensitivity_heatmaps.png"))
-    print(plot_patience_curves(grid, "figures/synthetic/sensitivity_patience.png"))
-    print(plot_pareto(grid, baseline_sweep(walks), "figures/synthetic/pareto.png", chosen=chosen))
-    print(plot_false_stops(grid, "figures/synthetic/false_stops.png", chosen=chosen))
+    print(plot_threshold_heatmaps(grid, out / "sensitivity_heatmaps.png"))
+    print(plot_patience_curves(grid, out / "sensitivity_patience.png"))
+    print(plot_pareto(grid, baseline_sweep(walks), out / "pareto.png", chosen=chosen))
+    print(plot_false_stops(grid, out / "false_stops.png", chosen=chosen))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

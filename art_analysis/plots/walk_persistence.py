@@ -53,7 +53,7 @@ def walk_persistence_figure(result: dict):
 def main(argv: list[str] | None = None) -> int:
     return figure_from_json_main(argv, __doc__.splitlines()[0], walk_persistence_figure,
                                  Path("figures/walk_persistence.png"),
-                                 "JSON of art_analysis.analysis.walk_persistence --out")
+                                 "JSON of art_analysis.analysis.walk_persistence --out", "art-decode-walk-persistence")
 
 
 if __name__ == "__main__":
