@@ -360,6 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture-layer", type=int, default=15)
     parser.add_argument("--sweep-configs", action="store_true", help="time several kernel tile configs first")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the FlexPrefill benchmark times Triton kernels on a CUDA GPU and none is available here; run it "
+                     "on a GPU machine (bash scripts/gpu_flexprefill.sh)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r} is not a folder")
+    if args.capture is not None and not Path(args.capture).is_file():
+        parser.error(f"--capture {args.capture!r} is not a file")
+    if args.capture_layer < 0:
+        parser.error(f"--capture-layer must be >= 0, got {args.capture_layer}")
     payload = run(args.out, args.quick, capture=args.capture, capture_layer=args.capture_layer,
                   sweep_configs=args.sweep_configs)
     for row in payload["rows"]:

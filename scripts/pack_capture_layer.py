@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MAGIC = b"ARTPLANES1"
@@ -51,12 +52,14 @@ def pack(source: Path, dest: Path) -> None:
     header = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": _digest(t)}
               for name, t in tensors.items()}
     body = json.dumps(header).encode()
-    partial = dest.with_name(f".{dest.name}.partial")
-    with lzma.open(partial, "wb", preset=9) as f:
-        f.write(MAGIC + struct.pack("<Q", len(body)) + body)
-        for name in header:
-            f.write(_planes(tensors[name]))
-    os.replace(partial, dest)
+
+    def write(partial: Path) -> None:
+        with lzma.open(partial, "wb", preset=9) as f:
+            f.write(MAGIC + struct.pack("<Q", len(body)) + body)
+            for name in header:
+                f.write(_planes(tensors[name]))
+
+    _write_then_rename(dest, write)
     print(f"{source} ({source.stat().st_size / 2 ** 20:.1f} MiB) -> {dest} ({dest.stat().st_size / 2 ** 20:.1f} MiB)")
 
 
@@ -76,11 +79,21 @@ def unpack(source: Path, dest: Path) -> None:
             tensors[name] = _from_planes(f.read(count), dtype, info["shape"])
             if _digest(tensors[name]) != info["sha256"]:
                 raise ValueError(f"{source}: tensor {name!r} does not unpack to the tensor packed")
+    _write_then_rename(dest, lambda partial: save_file(tensors, str(partial)))
+    print(f"{source} -> {dest}: {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())}")
+
+
+def _write_then_rename(dest: Path, write) -> None:
+    """``write(partial)`` a file beside ``dest``, then rename it to ``dest``; a failure or an interruption removes the
+    partial file and leaves ``dest`` as it was."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(f".{dest.name}.partial")
-    save_file(tensors, str(partial))
-    os.replace(partial, dest)
-    print(f"{source} -> {dest}: {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())}")
+    try:
+        write(partial)
+        os.replace(partial, dest)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(f"{args.source} is not a file")
+    if args.dest.is_dir():
+        parser.error(f"{args.dest} is a folder: name the file to write")
     try:
         (pack if args.action == "pack" else unpack)(args.source, args.dest)
-    except ValueError as exc:
+    except (ValueError, EOFError, lzma.LZMAError, SafetensorError) as exc:
         print(f"pack_capture_layer.py {args.action}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,5 +1,8 @@
-"""`kernels.bench_flexprefill.summarise`: the targets checked on hand-made rows."""
+"""`kernels.bench_flexprefill.summarise`: the targets checked on hand-made rows; the module's command line."""
 from __future__ import annotations
+
+import pytest
+import torch
 
 from kernels.bench_flexprefill import TARGET_GAMMAS, summarise
 
@@ -53,3 +56,14 @@ def test_target_rows_state_each_target_and_whether_it_was_met(capsys):
     _print_summaries({"flexprefill": summary})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "flexprefill targets:" and printed[-1].endswith("no") and "1 of 2 calls" in printed[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_the_module_says_it_needs_a_gpu_as_a_usage_error(capsys):
+    from kernels.bench_flexprefill import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick"])
+    assert exit_.value.code == 2
+    assert "the FlexPrefill benchmark times Triton kernels on a CUDA GPU and none is available here" in \
+        capsys.readouterr().err

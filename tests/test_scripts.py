@@ -47,6 +47,16 @@ def test_pack_capture_layer_round_trips_bit_for_bit_and_smaller(tmp_path):
     not_packed = subprocess.run([sys.executable, str(root / "scripts" / "pack_capture_layer.py"), "unpack", str(layer),
                                  str(tmp_path / "x.safetensors")], capture_output=True, text=True)
     assert not_packed.returncode != 0 and "is not a layer packed by this script" in not_packed.stderr
+    # a cut packed file, a source that is no layer and a folder as the destination: errors, and no partial file left
+    cut = tmp_path / "cut.xz"
+    cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    for action, source, dest, message in (("unpack", cut, tmp_path / "y.safetensors", "Compressed file ended"),
+                                          ("pack", cut, tmp_path / "z.xz", "pack: error:"),
+                                          ("pack", layer, tmp_path / "out", "is a folder: name the file to write")):
+        failed = subprocess.run([sys.executable, str(root / "scripts" / "pack_capture_layer.py"), action, str(source),
+                                 str(dest)], capture_output=True, text=True)
+        assert failed.returncode == 2 and message in failed.stderr, failed.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.xz", "layer.xz", "layer_015.safetensors", "out"]
 
 
 def test_gpu_decode_refuses_to_resume_from_a_result_bench_resume_would_not_find(tmp_path):
