@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -113,3 +114,23 @@ def test_main_reads_the_walks_of_an_earlier_run(tmp_path):
     assert written["walks"] == walks and written["capture"] == "x" and written["summary"] == summary
     with pytest.raises(SystemExit):
         main([str(source), "--from-json", "--dtype", "bfloat16"])
+
+
+@pytest.mark.parametrize("content, argv, message", [
+    (None, [], "walks JSON {source} is not a file"),
+    ("{", [], "is not valid JSON"),
+    ('{"walks": [[[[5]]]]}', [], r"walks must be \[L, T, B, Hkv\] block counts of at least 2 decode steps"),
+    ('{"walks": "abc"}', [], r"walks must be \[L, T, B, Hkv\] block counts"),
+    ('{"walks": [[[[5]], [[6]]]]}', ["--pair-plan-batch", "1"], "lacks context_tokens, decode_steps"),
+    ('{"walks": [[[[5]], [[6]]]]}', ["--pair-plan-batch", "1", "--sms", "0"], "--sms must be >= 1, got 0"),
+    ('{"walks": [[[[5]], [[6]]]]}', ["--out", "{tmp}"], "is a folder; give a file name"),
+])
+def test_main_names_what_is_wrong_before_any_work(content, argv, message, tmp_path, capsys):
+    source = tmp_path / "walks.json"
+    if content is not None:
+        source.write_text(content)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main([str(source), "--from-json", *argv])
+    assert exit_.value.code == 2
+    assert re.search(message.replace("{source}", re.escape(str(source))), capsys.readouterr().err)

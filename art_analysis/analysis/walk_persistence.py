@@ -167,19 +167,38 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, choices=(64, 128), default=64, help="for --pair-plan-batch")
     parser.add_argument("--sms", type=int, default=132, help="for --pair-plan-batch (132: an H200)")
     args = parser.parse_args(argv)
-    from kernels.results_io import write_json_atomic
+    from kernels.results_io import read_result, write_json_atomic
 
     from ..capture import KVCapture
+    from ..cli.output_paths import check_output_file
 
+    for option, value in (("--pair-plan-batch", args.pair_plan_batch), ("--sms", args.sms)):
+        if value is not None and value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
+    try:
+        check_output_file(args.out, "--out")
+        if args.from_json:
+            record = read_result(args.capture, what="walks JSON")
+        else:
+            capture = KVCapture.load(args.capture)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     if args.from_json:
-        record = json.loads(args.capture.read_text())
         if args.dtype is not None or "walks" not in record:
             parser.error("--from-json takes the walks (and dtype) of an earlier --out JSON; it has "
                          f"{'no walks' if 'walks' not in record else 'its own dtype: drop --dtype'}")
-        walks = torch.tensor(record["walks"])
-        record.pop("walks")
+        lacking = [key for key in ("context_tokens", "decode_steps") if key not in record]
+        if args.pair_plan_batch is not None and lacking:
+            parser.error(f"--pair-plan-batch needs the walks' context length; {args.capture} lacks "
+                         f"{', '.join(lacking)}")
+        try:
+            walks = torch.tensor(record.pop("walks"), dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            parser.error(f"{args.capture}: walks must be [L, T, B, Hkv] block counts ({exc})")
+        if walks.dim() != 4 or walks.shape[1] < 2:
+            parser.error(f"{args.capture}: walks must be [L, T, B, Hkv] block counts of at least 2 decode steps, "
+                         f"got shape {tuple(walks.shape)}")
     else:
-        capture = KVCapture.load(args.capture)
         if args.dtype is not None:
             capture = capture.to(dtype=getattr(torch, args.dtype))
         walks = decode_walks(capture, ARTConfig())
