@@ -378,7 +378,8 @@ class KVCapture:
             raise ValueError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not a capture's metadata object")
         version = metadata.get("format_version")
         if version != FORMAT_VERSION or isinstance(version, bool):
-            kind = "" if isinstance(version, int) and not isinstance(version, bool) else f" (a {type(version).__name__})"
+            plain_int = isinstance(version, int) and not isinstance(version, bool)
+            kind = "" if plain_int else f" (a {type(version).__name__})"
             raise ValueError(f"{str(src)!r} has capture format {version!r}{kind}; this version reads format "
                              f"{FORMAT_VERSION}, an int")
         if not isinstance(metadata.get("layers"), list):
