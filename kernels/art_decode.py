@@ -390,10 +390,10 @@ as in the simulator (``art_analysis.termination.one_minus_cos``): the textbook `
 carries an fp32 rounding error as large as the default ``phi = 1e-6`` and set 19 of 120 stop steps at the
 benchmark's sizes (V26; since then every pair agrees: 624 of 624 in V79's run).  The output probe's norm is the
 accumulator's, summed as ``sum acc^2`` in fp32 and scaled by ``1 / l`` after the root; the simulator forms
-``acc / l`` first.  So for values so large that ``sum acc^2`` overflows (``|v| l`` about ``1e18``: beyond any fp16 cache, and beyond real
-models' bf16 or fp32 values by many orders of magnitude) the kernel's monitor saturates where the simulator's does not
-yet (``|v|`` about ``1e19``): every step reads unstable, the walk reads the whole cache and returns the dense
-output; it never stops early.
+``acc / l`` first.  So for values so large that ``sum acc^2`` overflows (``|v| l`` about ``1e18``: beyond any fp16
+cache, and beyond real models' bf16 or fp32 values by many orders of magnitude) the kernel's monitor saturates where
+the simulator's does not yet (``|v|`` about ``1e19``): every step reads unstable, the walk reads the whole cache and
+returns the dense output; it never stops early.
 
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
 and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths
