@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from art_analysis.capture import capture_kv, model_dims
+from art_analysis.cli.output_paths import check_output_file
 from art_analysis.corpus import long_text
 from art_analysis.models import load_model
 from kernels.results_io import write_json_atomic
@@ -69,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timed captures (the best and all are reported)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: results/<date>-capture-cpu.json)")
     args = parser.parse_args(argv)
+    for option, value in (("--context", args.context), ("--decode-steps", args.decode_steps),
+                          ("--repeats", args.repeats)):
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
+    try:
+        check_output_file(args.out, "--out")
+    except ValueError as exc:
+        parser.error(str(exc))
 
     start = time.perf_counter()
     loaded = load_model(args.model)

@@ -27,8 +27,14 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=131072)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mode", default="exact", choices=("exact", "kernel"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
+                        help="folder for <date>-simulator-cpu.json (default: benchmarks/results)")
     args = parser.parse_args()
+    for option, value in (("--seqlen", args.seqlen), ("--repeats", args.repeats)):
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r} is not a folder")
 
     cache = synthetic_cache(1, 32, 8, args.seqlen, 128, preset="realistic", dtype=torch.bfloat16)
     rss_before = _rss_mib("VmRSS")

@@ -1,5 +1,6 @@
 """The shell scripts that drive the GPU runs parse, and the Python they embed compiles: a script that fails
 to parse costs a GPU session its start-up before it reports anything."""
+import os
 import re
 import subprocess
 import sys
@@ -91,3 +92,20 @@ def test_gpu_decode_runs_only_the_gpu_tests_tests_k_selects(tmp_path):
     assert subset and every, (logs["subset"], logs["all"])
     assert int(subset.group(1)) == 4 and int(every.group(1)) > 4
     assert int(subset.group(1)) + int(subset.group(2)) == int(every.group(1)) + int(every.group(2))
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("simulator_speed.py", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ("simulator_speed.py", ["--out", "{file}"], "--out '{file}' is not a folder"),
+    ("capture_speed.py", ["--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
+    ("capture_speed.py", ["--out", "{file}/x.json"], "its folder '{file}' exists and is not a folder"),
+])
+def test_cpu_speed_scripts_name_bad_options_before_any_work(script, argv, message, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    argv = [a.replace("{file}", str(a_file)) for a in argv]
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / script), *argv], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert result.returncode == 2 and message.replace("{file}", str(a_file)) in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
