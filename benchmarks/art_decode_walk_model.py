@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -23,10 +22,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from art_analysis.cli.output_paths import check_output_file  # noqa: E402
 from art_analysis.synthetic import synthetic_cache  # noqa: E402
 from art_analysis.termination import ARTConfig, replay_kernel_walks  # noqa: E402
 from kernels.bench import distinct_inputs, steps_histogram, walk_model_ms  # noqa: E402
-from kernels.results_io import write_json_atomic  # noqa: E402
+from kernels.results_io import read_result, write_json_atomic  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -53,7 +53,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--capture", type=Path, default=None, help="the captured layer the run benchmarked")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    run = json.loads(args.run.read_text())
+    try:
+        run = read_result(args.run, ("suite",), what="decode benchmark run")
+        check_output_file(args.out, "--out")
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    if run["suite"] != "decode":
+        parser.error(f"{args.run} is a result of the suite {run['suite']!r}, not 'decode'")
+    lacking = [key for key in ("art", "rows", "lone_walk") if key not in run]
+    if lacking:
+        parser.error(f"{args.run} lacks {', '.join(lacking)}: the walk model needs a decode run of 2026-12-01 or "
+                     "later, which times the lone walk")
+    if args.capture is not None and not args.capture.is_file():
+        parser.error(f"--capture {str(args.capture)!r} is not a file")
     config = ARTConfig(**{name: run["art"][name] for name in ("tau", "phi", "patience", "min_steps", "probe_source",
                                                              "probe_dims", "scale", "use_scale", "use_direction")})
     rows = {(r["data"], r["batch"], r["seqlen"], r["impl"]): r for r in run["rows"]}

@@ -99,13 +99,18 @@ def test_gpu_decode_runs_only_the_gpu_tests_tests_k_selects(tmp_path):
     ("simulator_speed.py", ["--out", "{file}"], "--out '{file}' is not a folder"),
     ("capture_speed.py", ["--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
     ("capture_speed.py", ["--out", "{file}/x.json"], "its folder '{file}' exists and is not a folder"),
+    ("art_decode_walk_model.py", ["{file}", "--out", "x.json"], "is not valid JSON"),
+    ("art_decode_walk_model.py", ["{old_run}", "--out", "x.json"], "lacks lone_walk: the walk model needs a decode run "
+                                                                   "of 2026-12-01 or later"),
 ])
 def test_cpu_speed_scripts_name_bad_options_before_any_work(script, argv, message, tmp_path):
     root = Path(__file__).resolve().parents[1]
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    argv = [a.replace("{file}", str(a_file)) for a in argv]
+    old_run = tmp_path / "old.json"
+    old_run.write_text('{"suite": "decode", "art": {}, "rows": []}')             # a run before the lone walk was timed
+    argv = [a.replace("{file}", str(a_file)).replace("{old_run}", str(old_run)) for a in argv]
     result = subprocess.run([sys.executable, str(root / "benchmarks" / script), *argv], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+                            env={**os.environ, "PYTHONPATH": str(root)}, timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and message.replace("{file}", str(a_file)) in result.stderr, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old.json"]
