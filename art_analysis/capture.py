@@ -377,9 +377,8 @@ class KVCapture:
         if not isinstance(metadata, dict):
             raise ValueError(f"{str(meta_path)!r} holds a {type(metadata).__name__}, not a capture's metadata object")
         version = metadata.get("format_version")
-        if version != FORMAT_VERSION or isinstance(version, bool):
-            plain_int = isinstance(version, int) and not isinstance(version, bool)
-            kind = "" if plain_int else f" (a {type(version).__name__})"
+        if type(version) is not int or version != FORMAT_VERSION:          # True == 1, but is no format
+            kind = "" if type(version) is int else f" (a {type(version).__name__})"
             raise ValueError(f"{str(src)!r} has capture format {version!r}{kind}; this version reads format "
                              f"{FORMAT_VERSION}, an int")
         if not isinstance(metadata.get("layers"), list):

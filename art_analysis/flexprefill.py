@@ -320,14 +320,6 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, *, gamma: float = 0.9, tau: 
         vertical_blocks=vertical_blocks, slash_blocks=slash_blocks, block_size=block_size)
 
 
-def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (``v`` required) that fit together, and finite."""
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
-    check_prefill_inputs(q, k, v)
-    check_finite(q=q, k=k, v=v)
-
-
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
                      block_size: int, *, sm_scale: float | None = None, return_lse: bool = False,
                      compute_dtype: torch.dtype = torch.float32, query_chunk: int = 1024):
@@ -346,7 +338,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
         ``out [B, Hq, N, D]`` in ``compute_dtype`` (rows with no kept key are 0), and with
         ``return_lse`` also ``lse [B, Hq, N]`` (``-inf`` for such rows).
     """
-    _check_attention_inputs(q, k, v)
+    if not isinstance(v, torch.Tensor):           # check_prefill_inputs takes v as optional
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    check_prefill_inputs(q, k, v)
+    check_finite(q=q, k=k, v=v)
     check_block_mask(block_mask, q, block_size)
     check_flags(return_lse=return_lse)
     check_count(query_chunk, "query_chunk", 1)
@@ -377,8 +372,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense causal attention ``[B, Hq, N, D]``: :func:`sparse_attention` with every tile kept."""
-    _check_attention_inputs(q, k, v)
+    """Dense causal attention ``[B, Hq, N, D]``: :func:`sparse_attention` with every tile kept (which checks ``v``
+    and the values; ``q`` and ``k`` are checked here, where their shape sizes the mask)."""
+    check_prefill_inputs(q, k)
     b, hq, n, _ = q.shape
     block_size = max(1, min(n, 128))
     nb = -(-n // block_size)

@@ -256,6 +256,13 @@ def kernel_walk_steps(result: StopResult, kv_heads: int) -> torch.Tensor:
     return grouped[..., 0] + 1
 
 
+def art_or_default(art: ARTConfig | None) -> ARTConfig:
+    """``art``, or ``ARTConfig()`` for ``None``; ``TypeError`` for anything else (a study's stopping rule)."""
+    if art is not None and not isinstance(art, ARTConfig):
+        raise TypeError(f"art must be an ARTConfig (or None for ARTConfig()), got {type(art).__name__}")
+    return art or ARTConfig()
+
+
 def replay_kernel_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: ARTConfig, *, block_size: int = 64,
                         order: str = "sink_recency", sm_scale: float | None = None) -> torch.Tensor:
     """The simulator's replay of the kernel's single-split walks on ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``

@@ -27,7 +27,7 @@ import torch
 from ..blockwise import BlockTrace, check_decode_call
 from ..checks import check_rows, valid_token_mask
 from ..policies.quest import block_score_bounds
-from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, stop
+from ..termination import ARTConfig, FixedBudget, MassCoverage, Rule, art_or_default, stop
 from .inputs import decode_inputs
 
 # A bound "holds" when error <= bound * (1 + BOUND_RTOL) + BOUND_ATOL: float64 rounding only.
@@ -156,9 +156,7 @@ def _block_set(ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.
 def bound_rules(art: ARTConfig | None = None) -> dict:
     """The stops at which the studies check the bounds (they must hold at any stop): ``art`` (default
     ``ARTConfig()``), the paper's preset, 90% mass coverage and eight blocks."""
-    if art is not None and not isinstance(art, ARTConfig):
-        raise TypeError(f"art must be an ARTConfig (or None for ARTConfig()), got {type(art).__name__}")
-    return {"art": art or ARTConfig(), "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9),
+    return {"art": art_or_default(art), "art_paper": ARTConfig.paper(), "coverage_0.9": MassCoverage(0.9),
             "fixed_8": FixedBudget(8)}
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..policies import SelectionPolicy, parse_spec
 from ..policies.compose import WALK_ORDERS, simulate_policy
-from ..termination import ARTConfig, stop
+from ..termination import ARTConfig, art_or_default, stop
 from .inputs import decode_inputs
 
 DEFAULT_POLICIES = ("dense", "streaming:budget=0.2", "snapkv:budget=0.2", "pyramidkv:budget=0.2",
@@ -48,9 +48,7 @@ def compose_with_art(source, policy_specs: Sequence[str | SelectionPolicy] = DEF
         raise ValueError("compose_with_art needs at least one policy spec")
     if order not in WALK_ORDERS:
         raise ValueError(f"order must be one of {WALK_ORDERS} (the walks over a policy's kept blocks), got {order!r}")
-    if art is not None and not isinstance(art, ARTConfig):
-        raise TypeError(f"art must be an ARTConfig (or None for ARTConfig()), got {type(art).__name__}")
-    art = art or ARTConfig()
+    art = art_or_default(art)
     policies = [(spec.spec, spec) if isinstance(spec, SelectionPolicy) else (spec, parse_spec(spec))
                 for spec in policy_specs]
     pooled = [{key: [] for key in ("kept", "art", "loaded", "policy", "added", "total")} for _ in policies]
