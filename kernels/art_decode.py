@@ -395,6 +395,22 @@ cache, and beyond real models' bf16 or fp32 values by many orders of magnitude) 
 the simulator's does not yet (``|v|`` about ``1e19``): every step reads unstable, the walk reads the whole cache and
 returns the dense output; it never stops early.
 
+**The wave (opt-in, ``wave_steps``; ``kernels.art_wave``, NOTES V82).**  A call cannot end before its longest walk
+at the lone pace, however few blocks it reads.  With ``wave_steps=W`` the call first attends the first ``W`` steps
+of every pair at once, one program per step, and recovers the walk's running state after each of them by
+linear-recurrence scans over the steps' partial states (in the frame of the running maximum, as the walk holds it);
+the monitor's rule then runs on those states, and a pair whose heads are all done within the wave, or whose walk is
+no longer, takes its output from there.  The planned walk runs for the other pairs only, from their first step (the
+wave's blocks are read twice for them).  Every pair's wave reads ``min(W, blocks)`` blocks, also past its stop, and
+the leaders' ``steps`` count them.  On an H100 (``2026-12-06-art-decode-wave-ab-h100.json``, ``ARTConfig()``,
+synthetic caches, W = 48), the call's time against the default plan's: B = 1 x 32k / 128k 52.6 / 58.5 -> 22.1 /
+22.2 us, 8 x 32k / 128k 67.5 / 63.0 -> 59.2 / 58.6, the 64-dim cache (9 / 3 heads) at 8 x 32k 74.0 -> 22.5 and
+32 x 32k 51.1 -> 43.0; slower where many pairs share the bandwidth (16 x 32k 70.3 -> 107.3, 32 x 8k 136.3 -> 289.3),
+at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 % at 8 x 128k to +67 % at 1 x 8k).
+The wave's monitor is the walk's own step (``_probe_update``) over the scanned states, so its stops agree with the
+simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168 captured).
+No default plan takes it: whether it pays depends on walks that only the data knows.
+
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
 and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths
 (that needs a sync), so it checks their tensor's type, shape and device only, sizes the grid for the
@@ -413,9 +429,11 @@ import triton
 
 from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, HORIZON_CAP, art_decode_split_kernel
 from .art_params import INT32_MAX, ARTParams
+from .art_wave import MAX_WAVE_STEPS, run_wave
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_choice, check_count, check_flags
+from .paged_cache import kv_strides
 from .pair_walks import PairWalks
 from .softmax_scale import softmax_scale
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
@@ -467,6 +485,8 @@ class DecodePlan:
             a leader releases its followers, and the step from which it releases them whatever the count (``None``:
             never); both ``None`` without on-demand followers.
         dense_plan: whether a dense walk's block size and split count are the launcher's own.
+        wave_steps: the steps of the wave run before the walk (``kernels.art_wave``; at most ``max_steps``), 0 for
+            none.
 
     Two plans compare equal when they walk alike: the lengths and the told walks (tensors) are neither compared
     nor printed.
@@ -492,6 +512,7 @@ class DecodePlan:
     release_walks: int | None
     release_step: int | None
     dense_plan: bool
+    wave_steps: int = 0
 
     @property
     def on_demand(self) -> bool:
@@ -527,6 +548,8 @@ class DecodePlan:
         :func:`kernels.split_plan.planned_result_steps`; where the call runs the dense walk (no monitor, or a leader
         that cannot stop), every pair's whole walk.  Returned on ``walks``' device.
 
+        With a wave, a pair whose single walk ends within it (``walks <= min(wave_steps, blocks)``) is the wave's.
+
         Raises ``ValueError`` for per-pair splits and on-demand followers, whose leaders may walk past their range
         (the result then depends on when followers were released, not on the single walks alone)."""
         if not isinstance(walks, torch.Tensor) or walks.dtype.is_floating_point or walks.is_complex():
@@ -539,8 +562,12 @@ class DecodePlan:
                              "schedule, not on the single walks alone")
         blocks = torch.as_tensor(self.walk_blocks, dtype=walks.dtype, device=walks.device)   # [] or [B, 1]
         if self.art is None:
-            return blocks.expand_as(walks).clone()
-        return planned_result_steps(walks, blocks, self.num_splits, self.follow_step)
+            walked = blocks.expand_as(walks).clone()
+        else:
+            walked = planned_result_steps(walks, blocks, self.num_splits, self.follow_step)
+        if self.wave_steps:   # a walk that ends within the wave is the wave's
+            walked = torch.where(walks <= torch.clamp(blocks, max=self.wave_steps), walks, walked)
+        return walked
 
 
 def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -548,7 +575,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                 sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                 block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                 follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-                release_step: int | None = None, read_lengths: bool = True) -> DecodePlan:
+                release_step: int | None = None, wave_steps: int | None = None,
+                read_lengths: bool = True) -> DecodePlan:
     """The :class:`DecodePlan` of ``art_decode(q, k_cache, v_cache, ...)`` with the same arguments (see
     :func:`art_decode`), without a launch: every check of the inputs and keywords, then the block size, split
     count, follow step, per-pair splits or on-demand followers (``kernels.split_plan``), and whether the monitor
@@ -609,6 +637,13 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         if art is None or pair_walks is not None:
             raise ValueError("release_walks releases the followers of monitored walks: it needs art and no "
                              "pair_walks")
+    if wave_steps is not None:
+        check_count(wave_steps, "wave_steps", 1, MAX_WAVE_STEPS, unit="blocks")
+        if art is None:
+            raise ValueError("wave_steps evaluates the ART monitor over a wave of steps: it needs art")
+        if pair_walks is not None or release_walks is not None or walk_hint is not None:
+            raise ValueError("wave_steps runs before the plan of a call told no walks: not with pair_walks, "
+                             "release_walks or walk_hint")
     if release_step is not None:
         check_count(release_step, "release_step", 0, MAX_ART_STEPS, unit="blocks")
         if release_walks is None:
@@ -671,7 +706,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                       block_size=block_size, num_splits=num_splits, follow_step=follow_step, art=art,
                       monitored=monitored, pair_walks=pair_walks, pair_threshold=pair_threshold,
                       release_walks=release_walks if on_demand else None,
-                      release_step=release_step if on_demand else None, dense_plan=dense_plan)
+                      release_step=release_step if on_demand else None, dense_plan=dense_plan,
+                      wave_steps=0 if wave_steps is None else min(wave_steps, max_steps))
 
 
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -679,8 +715,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                sm_scale: float | None = None, art: ARTParams | None = None, order: str = "sink_recency",
                block_size: int | None = None, num_splits: int | None = None, longest_stop_steps: int | None = None,
                follow_step: int | None = None, walk_hint=None, pair_walks=None, release_walks: int | None = None,
-               release_step: int | None = None, read_lengths: bool = True, return_lse: bool = False,
-               return_stats: bool = False, return_result_steps: bool = False):
+               release_step: int | None = None, wave_steps: int | None = None, read_lengths: bool = True,
+               return_lse: bool = False, return_stats: bool = False, return_result_steps: bool = False):
     """Decode attention with optional ART termination: the walk that :func:`plan_decode` resolves from the same
     arguments, in one launch.  The cache's values are not checked (that would read all of it): a NaN among the
     scores or values a pair walks makes its query heads' outputs and ``lse`` NaN, as dense attention does, and so
@@ -740,6 +776,13 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             count of leaders still walking alone (at the end of its first chunk at or past it), so that a launch in
             which too few walks stop does not walk alone to the end.  Default:
             :func:`kernels.split_plan.on_demand_plan`'s when ``num_splits`` is not given, else never.
+        wave_steps: with ``art``, first attend the first ``wave_steps`` steps (at most ``MAX_WAVE_STEPS``) of every
+            pair at once and evaluate the monitor over them as scans (``kernels.art_wave``): a pair whose query heads
+            are all done within them, or whose walk is no longer, takes its output from the wave, and the walk that
+            the other arguments plan runs for the other pairs only, from their first step.  A lone walk takes about
+            1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
+            blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's).  Not with
+            ``pair_walks``, ``release_walks`` or ``walk_hint``.  Default: no wave.
         read_lengths: ``False`` leaves ``cache_seqlens`` and ``block_table`` on the device: no sync (each call
             with lengths otherwise reads their min and max, and on the paged layout checks the pages they use).
             As inside a CUDA-graph capture, their values then go unchecked (keeping them in ``[1, capacity]`` with
@@ -764,9 +807,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                        art=art, order=order, block_size=block_size, num_splits=num_splits,
                        longest_stop_steps=longest_stop_steps, follow_step=follow_step, walk_hint=walk_hint,
                        pair_walks=pair_walks, release_walks=release_walks, release_step=release_step,
-                       read_lengths=read_lengths)
+                       wave_steps=wave_steps, read_lengths=read_lengths)
     batch, q_heads, kv_heads, head_dim = plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim
     paged, seqlens, max_len, max_steps = plan.paged, plan.seqlens, plan.max_len, plan.max_steps
+    art_params = art   # the caller's monitor: the wave's, also where the walk after it runs dense (plan.art None)
     block_size, num_splits, follow_step, art = plan.block_size, plan.num_splits, plan.follow_step, plan.art
     pair_walks, pair_threshold, on_demand = plan.pair_walks, plan.pair_threshold, plan.on_demand
     group = q_heads // kv_heads
@@ -785,12 +829,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     monitor = art if art is not None else ARTParams()
     table = block_table if paged else steps          # steps: a placeholder pointer, never read
     lengths = steps if seqlens is None else seqlens
-    if paged:
-        strides_k = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
-        strides_v = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
-    else:
-        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    strides_k, strides_v = kv_strides(k_cache, paged), kv_strides(v_cache, paged)
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
                       leader_steps=(max_steps if on_demand else leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
@@ -812,18 +851,24 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     elif loads in ("page_descriptors", "subpage_descriptors"):
         k_arg, v_arg = (page_descriptor(x, min(block_size, k_cache.shape[1])) for x in (k_cache, v_cache))
     deferred = plan.deferred
+    wave_done = steps                                # a placeholder pointer without a wave, never read
+    if plan.wave_steps:
+        wave_done = run_wave(q, k_cache, v_cache, monitor=art_params, wave_steps=plan.wave_steps,
+                             block_size=block_size, order=plan.order, sm_scale=plan.sm_scale, kv_heads=kv_heads,
+                             max_len=max_len, seqlens=seqlens, block_table=block_table,
+                             direction=_direction_build(art_params), block_h=block_h, out=out, lse=lse)
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
         out, lse, part_out, part_lse, steps, kept, arrivals,
         pair_walks.walks if pair_gates else _release_words(q.device, batch * kv_heads) if on_demand else steps,
-        pair_walks.launch_order if longest_first else steps,
+        pair_walks.launch_order if longest_first else steps, wave_done,
         plan.sm_scale, float(monitor.tau), float(monitor.phi), int(monitor.patience),
         max(1, int(monitor.min_steps)),
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * (max_steps if on_demand else follow_step),
         pair_threshold if pair_gates else plan.release_walks if on_demand else 0,
         min(plan.release_step, max_steps) if on_demand and plan.release_step is not None else max_steps,
-        q.stride(0), q.stride(1), *strides_k, *strides_v,
+        plan.wave_steps, q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
         PAGED=paged, SINK_RECENCY=plan.order == "sink_recency", SINGLE_SPLIT=single,
@@ -837,12 +882,19 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates,
         LONGEST_FIRST=longest_first, ON_DEMAND=on_demand, PROGRAM_THREADS=32 * num_warps,
         POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, RECORD_KEPT=return_result_steps,
-        num_warps=num_warps, num_stages=num_stages)
+        WAVE=plan.wave_steps > 0, num_warps=num_warps, num_stages=num_stages)
     if walk_hint is not None and plan.monitored:
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
-        results += (torch.where(kept == 1, steps[..., 0], plan.walk_blocks),)
+        leader_steps = steps[..., 0]
+        if plan.wave_steps:   # the wave's result where it finished the pair; the leader's steps without its blocks
+            leader_steps = leader_steps - torch.clamp(torch.as_tensor(plan.walk_blocks, device=q.device),
+                                                      max=plan.wave_steps)
+        walked = torch.where(kept == 1, leader_steps, plan.walk_blocks)
+        if plan.wave_steps:
+            walked = torch.where(wave_done.view(batch, kv_heads) > 0, wave_done.view(batch, kv_heads), walked)
+        results += (walked,)
     return results[0] if len(results) == 1 else results
 
 

@@ -572,15 +572,15 @@ def _count_finished(counter_ptr, num_pairs):
 # divisible by 16): the monitor's thresholds, so that a sweep of patience or min_steps reuses one build, and the values
 # that change from call to call.
 UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len", "follow_step", "max_gate_polls", "pair_limit",
-                      "release_step")
+                      "release_step", "wave_steps")
 
 
 @triton.jit(do_not_specialize=UNSPECIALISED_INTS)
 def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, kept_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
-        sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step,
+        wave_ptr, sm_scale, tau, phi, patience, first_counted,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step, wave_steps,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -591,7 +591,7 @@ def art_decode_split_kernel(
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
         RAGGED: tl.constexpr, LOADS: tl.constexpr, PROBE_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
         DEFERRED: tl.constexpr, PAIR_GATES: tl.constexpr, LONGEST_FIRST: tl.constexpr, ON_DEMAND: tl.constexpr,
-        PROGRAM_THREADS: tl.constexpr, POLL_NS: tl.constexpr, RECORD_KEPT: tl.constexpr):
+        PROGRAM_THREADS: tl.constexpr, POLL_NS: tl.constexpr, RECORD_KEPT: tl.constexpr, WAVE: tl.constexpr):
     """Grid ``(splits, B * Hkv)``, or ``(B * Hkv, splits)`` with ``DEFERRED``, ``PAIR_GATES`` or ``ON_DEMAND``.
     See the module docstring for the buffers and the walk; ``follow_step`` and ``max_gate_polls``: the deferred and
     on-demand followers' (``DEFERRED``, ``ON_DEMAND``; unused otherwise).  ``pair_words_ptr`` (int32) and
@@ -603,7 +603,11 @@ def art_decode_split_kernel(
     the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's sleep between polls (0: none, as in
     the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the pair each program
     slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr`` (int32 ``[B * Hkv]``,
-    ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.
+    ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.  ``WAVE`` (``wave_ptr [B * Hkv]``
+    int32, ``wave_steps``; unused otherwise): the call ran the wave of ``wave_steps`` steps first
+    (``kernels.art_wave``): a pair it finished (``wave_ptr`` > 0) walks nothing here and its programs write no
+    output, and every leader counts the wave's ``min(num_blocks, wave_steps)`` blocks in its ``steps``.  Not with
+    ``PAIR_GATES`` or ``ON_DEMAND``.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
     (no load before the first K/V loads can be issued).  ``LOADS`` says how K and V tiles are read
@@ -673,6 +677,10 @@ def art_decode_split_kernel(
     end = start + base + (split >= longer_from).to(base.dtype)
     if DEFERRED or PAIR_GATES or ON_DEMAND:
         start = tl.where(split == 0, 0, start)
+    if WAVE:
+        # a pair the wave finished has its output: an empty range, and no output or arrival below
+        wave_result = tl.load(wave_ptr + bh)
+        end = tl.where(wave_result > 0, start, end)
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
@@ -843,7 +851,31 @@ def art_decode_split_kernel(
                                 BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, DOT_PRECISION, LOADS, PEEL_TAIL)
         visited = end - start
 
+    if WAVE:
+        # the leader counts the blocks the wave read for its pair
+        visited += tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0)
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
+    if WAVE:
+        if wave_result == 0:
+            _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
+                          b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob,
+                          stride_oh, gate, num_blocks, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK,
+                          RECORD_KEPT, SINGLE_SPLIT, PAIR_GATES)
+    else:
+        _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
+                      b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                      gate, num_blocks, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK, RECORD_KEPT,
+                      SINGLE_SPLIT, PAIR_GATES)
+
+
+@triton.jit
+def _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr, b,
+                  kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh, gate,
+                  num_blocks, ART: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_S: tl.constexpr, COMBINE_CHUNK: tl.constexpr, RECORD_KEPT: tl.constexpr,
+                  SINGLE_SPLIT: tl.constexpr, PAIR_GATES: tl.constexpr):
+    """A program's result from its state ``m``, ``l``, ``acc``: the output of one split or of a pair walked alone
+    (``_store_output``), else its partial and arrival (``_arrive_and_combine``)."""
     # a split that walked nothing has l = 0 and acc = 0: out 0, lse -inf; a NaN among the scores or values gives
     # NaN (out and lse), as in dense attention
     empty = l == 0.0

@@ -23,7 +23,10 @@ measures:
   split the walks expected to run long take every split of ``kernels.split_plan.choose_pair_plan``:
   ``pair_split_threshold``, ``pair_split_walks``; told each walk, the call also launches the pairs longest
   first, ``kernels.art_decode``'s *launch order*; a decode loop has only its previous step's walks, which
-  :mod:`kernels.bench_decode_loop` times);
+  :mod:`kernels.bench_decode_loop` times), and after a wave of ``WAVE_STEPS`` steps (``art_wave``: ``art_decode``'s
+  ``wave_steps``, :mod:`kernels.art_wave`; ``wave_finished_pairs``: the share of pairs whose single walk ends within
+  the wave, which the wave finishes, the others walked after it at the default plan; the wave's blocks count in the
+  loaded fraction and the bound; ``over_art``: its time over the ``art`` row's);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
@@ -147,6 +150,7 @@ MONITOR_OVERHEAD_TARGET = 0.01
 MONITOR_OVERHEAD_PAIR = ("art_never", "art_dense_bs64")
 SETTLE_ROUNDS = 9
 DENSE_TARGET = 0.97              # dense over the best peer's throughput, B >= 16
+WAVE_STEPS = 48                  # the art_wave rows' wave: the fastest of 32 / 48 / 64 on the synthetic caches (V82)
 # what a resumed run must share with the run it continues (kernels.bench.run(resume=True))
 RESUME_FIELDS = ("suite", "device", "sm_count", "versions", "source", "quick", "art", "l2_flush", "capture_file")
 # timed after do_bench's memset as well (kernels.l2_flush): the time bound's rows, under either flush
@@ -398,6 +402,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     q_walks, k_walks, v_walks, walk_lengths = walk_replay_inputs(q, k, v, single_steps[..., 0])
     calls["art_walks_dense"] = lambda: art_decode(q_walks, k_walks, v_walks, cache_seqlens=walk_lengths,
                                                   block_size=ART_BLOCK_SIZE, num_splits=1)
+    calls["art_wave"] = lambda: art_decode(q, k, v, art=art, wave_steps=WAVE_STEPS)
     never_default = plan_decode(q, k, v, art=NEVER)
     extras = {"art_dense": dict(num_splits=dense.num_splits, block_size=dense.block_size),
               "art_dense_bs64": dict(num_splits=splits, block_size=ART_BLOCK_SIZE),
@@ -421,6 +426,13 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             extras[impl].update(pair_split_threshold=plan.pair_threshold,
                                 pair_split_walks=sum(w > plan.pair_threshold for w in hint.sorted_walks))
     extras["art_calibrated"]["longest_stop_steps"] = longest
+    wave_plan = plan_decode(q, k, v, art=art, wave_steps=WAVE_STEPS)
+    _, wave_steps, wave_taken = art_decode(q, k, v, art=art, wave_steps=WAVE_STEPS, return_stats=True,
+                                           return_result_steps=True)
+    extras["art_wave"] = dict(wave_steps=wave_plan.wave_steps, num_splits=wave_plan.num_splits,
+                              follow_step=wave_plan.follow_step, loaded_fraction=loaded_fraction(wave_steps, seqlen),
+                              wave_finished_pairs=float((single_steps[..., 0] <= wave_plan.wave_steps).double().mean()),
+                              stopped_pairs=stopped_share(wave_taken, blocks), single_stopped_pairs=single_stopped)
     results = time_interleaved(calls, rep_ms, rounds, q.device, memset_flush=MEMSET_FLUSH_IMPLS,
                                settle=MONITOR_OVERHEAD_PAIR, settle_spread=MONITOR_OVERHEAD_TARGET,
                                settle_rounds=SETTLE_ROUNDS)
@@ -436,6 +448,12 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     dense = by_impl["art_dense"]
     if reference is not None and "ms" in dense:
         dense["rel_error_vs_peer"] = float((art_decode(q, k, v).float() - reference).norm() / reference.norm())
+    wave = by_impl["art_wave"]
+    if "ms" in wave and "ms" in dense:
+        wave["time_bound_ms"] = time_bound_ms(wave["loaded_fraction"], dense["ms"])
+        wave["meets_time_bound"] = wave["ms"] <= wave["time_bound_ms"]
+        if "ms" in by_impl["art"]:
+            wave["over_art"] = wave["ms"] / by_impl["art"]["ms"]
     for row in (by_impl["art"], by_impl["art_calibrated"]):
         if "ms" in row and "ms" in dense:
             row["time_bound_ms"] = time_bound_ms(row["loaded_fraction"], dense["ms"])
@@ -801,6 +819,7 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
             b1 = {"art_dense_ms": impls["art_dense"], "best_peer_ms": min(peers)}
     art_rows = [r for r in rows if r["impl"] == "art" and "meets_time_bound" in r]
     calibrated_rows = [r for r in rows if r["impl"] == "art_calibrated" and "meets_time_bound" in r]
+    wave_rows = [r for r in rows if r["impl"] == "art_wave" and "over_art" in r]
     modelled = [r["ms"] / r["model_ms"] for r in art_rows if "model_ms" in r]
     stops = [(r["stopped_pairs"], r["single_stopped_pairs"]) for r in art_rows if "stopped_pairs" in r]
     replayed = [r["ms"] / r["walks_dense_ms"] for r in art_rows if "walks_dense_ms" in r]
@@ -842,6 +861,11 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
                                                         for r in art_rows),
         "art_calibrated_rows_meeting_time_bound_memset_flush": sum(
             r.get("meets_time_bound_memset_flush", False) for r in calibrated_rows),
+        "art_wave_rows": len(wave_rows),
+        "art_wave_rows_meeting_time_bound": sum(r["meets_time_bound"] for r in wave_rows),
+        "art_wave_rows_faster_than_art": sum(r["over_art"] < 1 for r in wave_rows),
+        "art_wave_over_art_min": min((r["over_art"] for r in wave_rows), default=None),
+        "art_wave_over_art_max": max((r["over_art"] for r in wave_rows), default=None),
         "art_rows_with_stopped_pairs": len(stops),
         "art_rows_keeping_every_stop": sum(kept == single for kept, single in stops),
         "art_stopped_pairs_over_single_min": min((kept / single for kept, single in stops if single), default=None),

@@ -15,6 +15,15 @@ import torch
 from .int_checks import check_count
 
 
+def kv_strides(cache: torch.Tensor, paged: bool) -> tuple[int, int, int]:
+    """The strides the decode kernels address a K or V cache by: ``(leading index, KV head, token)``, the leading index
+    being the sequence of a contiguous ``[B, Hkv, S, D]`` cache or the page of a paged ``[num_pages, page_size, Hkv,
+    D]`` pool, whose token stride is the slot's."""
+    if paged:
+        return cache.stride(0), cache.stride(2), cache.stride(1)
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
 def to_paged(k: torch.Tensor, v: torch.Tensor, page_size: int, *, seed: int = 0,
              spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scatter ``k, v [B, Hkv, S, D]`` into shuffled pages of ``page_size`` tokens (see the module docstring).

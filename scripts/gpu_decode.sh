@@ -31,7 +31,7 @@ select=()
 [ -n "${TESTS_K:-}" ] && select=(-k "$TESTS_K")
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     python3 -m pytest -q -m gpu -s "${select[@]}" tests/test_art_decode.py tests/test_art_decode_errors.py \
-        tests/test_walk_hint.py tests/test_kernel_attention.py \
+        tests/test_walk_hint.py tests/test_kernel_attention.py tests/test_art_wave.py \
         tests/test_art_decode_compiles.py 2>&1 | tee "$out_dir/decode_gpu_tests.log"
 fi
 memcheck_run='
@@ -83,6 +83,12 @@ out = art_decode(q64, kv64[0], kv64[1], art=ARTParams(tau=1e-3, phi=1e-4, patien
 pages64 = torch.randn(2, 24, 128, 3, 64, device="cuda", dtype=torch.bfloat16)
 table128 = torch.randperm(24, device="cuda", dtype=torch.int32)[:21].view(3, 7)
 out = art_decode(q64, pages64[0], pages64[1], cache_seqlens=lengths, block_table=table128)
+# a wave before the walk: ragged with deferred followers after it, paged (pages of 16), uniform 64-dim tiles
+loose = ARTParams(tau=1e-3, phi=1e-4, patience=2)
+out, taken = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=loose, num_splits=4, follow_step=3, block_size=64,
+                        wave_steps=5, return_result_steps=True)
+out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=loose, wave_steps=8)
+out = art_decode(q64, kv64[0], kv64[1], art=loose, num_splits=1, wave_steps=13)
 # on-demand followers: released from the first chunk (or never), ragged at D = 128 and uniform at D = 64
 for release in (0, 24):
     out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),

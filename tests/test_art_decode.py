@@ -95,8 +95,9 @@ def simulator_stop(q, k, v, seqlens, config, order, block_size=64):
     return kernel_walk_steps(result, k.shape[1]), result
 
 
-def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1):
-    """Kernel vs simulator steps over every case and config: ``(matches, total, mismatched differences)``."""
+def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1, **launch):
+    """Kernel vs simulator steps over every case and config: ``(matches, total, mismatched differences)``; ``launch``:
+    more ``art_decode`` keywords (a wave's walks are its result steps; without one, the leader's steps)."""
     matches, total, differences = 0, 0, []
     for q, k, v, seqlens in cases:
         trace = blockwise_attention(q, k, v, order=order, cache_seqlens=seqlens, mode="kernel")
@@ -104,9 +105,10 @@ def compare_stop_steps(cases, configs, order="sink_recency", num_splits=1):
         for config in configs:
             result = stop(trace, config)
             expected = kernel_walk_steps(result, k.shape[1])
-            out, steps = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(), order=order,
-                                    num_splits=num_splits, return_stats=True)
-            got = steps[..., 0].long()
+            out, steps, result_steps = art_decode(q, k, v, cache_seqlens=seqlens, art=config.kernel_params(),
+                                                  order=order, num_splits=num_splits, return_stats=True,
+                                                  return_result_steps=True, **launch)
+            got = (result_steps if launch.get("wave_steps") else steps[..., 0]).long()
             same = got == expected
             matches += int(same.sum())
             total += same.numel()

@@ -293,6 +293,14 @@ def test_summary_checks_the_targets_on_the_rows():
     assert summary["never_default_over_dense_max"] == pytest.approx(1.5)
     assert summary["never_default_over_dense_median"] == pytest.approx(1.5)        # the upper of two
     assert summary["never_default_worst_shape"] == {"data": "synthetic", "batch": 32, "seqlen": 32768}
+    # the wave's rows: its bound, and its time over the default call's
+    assert summary["art_wave_rows"] == 0 and summary["art_wave_over_art_min"] is None
+    rows += [row("art_wave", 0.1, meets_time_bound=False, over_art=0.5),
+             row("art_wave", 0.06, batch=1, meets_time_bound=True, over_art=1.2)]
+    summary = summarise(rows, 4.2)
+    assert summary["art_wave_rows"] == 2 and summary["art_wave_rows_meeting_time_bound"] == 1
+    assert summary["art_wave_rows_faster_than_art"] == 1
+    assert (summary["art_wave_over_art_min"], summary["art_wave_over_art_max"]) == (0.5, 1.2)
 
 
 def test_overhead_rows_whose_rounds_spread_past_the_target_are_not_resolved():
@@ -376,34 +384,34 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
                                         ("data", "batch", "seqlen", "q_heads", "kv_heads", "head_dim")},
                                      "impl": "flash_sdpa", "error": "no kernel for this shape"}
     timed = ["cudnn_sdpa", "art_dense", "art_dense_bs64", "art_never", "art_never_default", "art", "art_calibrated",
-             "art_walks_dense"]
+             "art_walks_dense", "art_wave"]
     # each round times every call in turn after a read of the L2, and the time bound's calls (dense and ART) right
-    # after that once more after do_bench's memset: 11 timings a round (1..11, 12..22, 23..33).  The monitor's
-    # overhead pair spread far past 1 % over those rounds: the two are then timed in turn to 9 rounds (34..45)
-    settled = {"art_never": [34.0, 36.0, 38.0, 40.0, 42.0, 44.0],
-               "art_dense_bs64": [35.0, 37.0, 39.0, 41.0, 43.0, 45.0]}
+    # after that once more after do_bench's memset: 12 timings a round (1..12, 13..24, 25..36).  The monitor's
+    # overhead pair spread far past 1 % over those rounds: the two are then timed in turn to 9 rounds (37..48)
+    settled = {"art_never": [37.0, 39.0, 41.0, 43.0, 45.0, 47.0],
+               "art_dense_bs64": [38.0, 40.0, 42.0, 44.0, 46.0, 48.0]}
     first = 1
     for impl in timed:
         memset = impl in ("art_dense", "art", "art_calibrated")
-        assert by_impl[impl]["ms_rounds"] == [first, first + 11.0, first + 22.0] + settled.get(impl, [])
-        assert by_impl[impl]["ms"] == (first + 11.0 if impl not in settled else settled[impl][1])
+        assert by_impl[impl]["ms_rounds"] == [first, first + 12.0, first + 24.0] + settled.get(impl, [])
+        assert by_impl[impl]["ms"] == (first + 12.0 if impl not in settled else settled[impl][1])
         assert by_impl[impl]["eager_ms"] == 0.5
         if memset:
-            assert by_impl[impl]["ms_memset_flush_rounds"] == [first + 1, first + 12.0, first + 23.0]
-            assert by_impl[impl]["ms_memset_flush"] == first + 12.0
+            assert by_impl[impl]["ms_memset_flush_rounds"] == [first + 1, first + 13.0, first + 25.0]
+            assert by_impl[impl]["ms_memset_flush"] == first + 13.0
         else:
             assert "ms_memset_flush" not in by_impl[impl]
         first += 2 if memset else 1
     assert order == 3 * ["read", "read", "memset", "read", "read", "read", "read", "memset", "read", "memset",
-                         "read"] + 12 * ["read"]
-    assert by_impl["art_dense"]["ms"] == 13.0 and by_impl["art_dense"]["ms_memset_flush"] == 14.0
+                         "read", "read"] + 12 * ["read"]
+    assert by_impl["art_dense"]["ms"] == 14.0 and by_impl["art_dense"]["ms_memset_flush"] == 15.0
     # the dense row states the plan its call took: one split of 64-token blocks (D = 64, 4 pairs on the CPU's one
     # multiprocessor)
     assert (by_impl["art_dense"]["num_splits"], by_impl["art_dense"]["block_size"]) == (1, 64)
-    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 13.0 + 0.010
+    assert by_impl["art"]["time_bound_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 14.0 + 0.010
     assert by_impl["art"]["meets_time_bound"] == (by_impl["art"]["ms"] <= by_impl["art"]["time_bound_ms"])
     # under the memset, the bound is the memset's dense time's, and the ART time the memset's too
-    assert by_impl["art"]["time_bound_memset_flush_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 14.0 + 0.010
+    assert by_impl["art"]["time_bound_memset_flush_ms"] == 1.15 * by_impl["art"]["loaded_fraction"] * 15.0 + 0.010
     assert by_impl["art"]["meets_time_bound_memset_flush"] == (
         by_impl["art"]["ms_memset_flush"] <= by_impl["art"]["time_bound_memset_flush_ms"])
     # the calibrated row: the longest walk of a single-split call, passed to the split rule
@@ -414,7 +422,15 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
                                  return_stats=True)
     assert calibrated["num_splits"] == hinted.shape[-1]
     assert calibrated["loaded_fraction"] == bench.loaded_fraction(hinted, 256)
-    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 13.0 + 0.010
+    assert calibrated["time_bound_ms"] == 1.15 * calibrated["loaded_fraction"] * 14.0 + 0.010
+    # the wave's row: its blocks in the loaded fraction and the bound, and its time over the default call's
+    wave = by_impl["art_wave"]
+    _, wave_steps = bench.art_decode(q, k, v, art=ARTParams(), wave_steps=bench.WAVE_STEPS, return_stats=True)
+    assert wave["wave_steps"] == 4 and wave["loaded_fraction"] == bench.loaded_fraction(wave_steps, 256)
+    assert wave["time_bound_ms"] == 1.15 * wave["loaded_fraction"] * 14.0 + 0.010
+    assert wave["meets_time_bound"] == (wave["ms"] <= wave["time_bound_ms"])
+    assert wave["over_art"] == wave["ms"] / by_impl["art"]["ms"]
+    assert wave["wave_finished_pairs"] == 1.0   # every walk of 4 blocks lies in the wave
     # the latency floor: the longest leader walk (the kernel's own step counts) at the lone step time
     _, steps = bench.art_decode(q, k, v, art=ARTParams(), return_stats=True)
     assert by_impl["art"]["leader_steps_max"] == int(steps[..., 0].max()) > 0
@@ -431,13 +447,13 @@ def test_shape_rows_take_the_median_of_interleaved_rounds(monkeypatch):
     walks = steps[..., 0].flatten().tolist()
     assert by_impl["art"]["walk_steps_histogram"] == {str(n): walks.count(n) for n in sorted(set(walks))}
     assert by_impl["art"]["model_ms"] == bench.walk_model_ms(walks, {"step_us": 2.0, "fixed_us": 5.0}, 64, 2,
-                                                             bench.kv_bytes(k) / 13.0 / 1e9, 1)
+                                                             bench.kv_bytes(k) / 14.0 / 1e9, 1)
     # the dense kernel over the same walks: its loaded fraction is the single-split walks', its time the rows'
     assert by_impl["art_walks_dense"]["loaded_fraction"] == by_impl["art"]["loaded_fraction"]
-    assert by_impl["art"]["walks_dense_ms"] == by_impl["art_walks_dense"]["ms"] == 22.0
-    assert by_impl["art"]["time_bound_below_walks_dense"] == (by_impl["art"]["time_bound_ms"] < 22.0)
+    assert by_impl["art"]["walks_dense_ms"] == by_impl["art_walks_dense"]["ms"] == 23.0
+    assert by_impl["art"]["time_bound_below_walks_dense"] == (by_impl["art"]["time_bound_ms"] < 23.0)
     assert by_impl["art_dense"]["rel_error_vs_peer"] == 0.0
-    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 12.0 / 13.0
+    assert by_impl["art_dense"]["speedup_vs_best_peer"] == 13.0 / 14.0
     # never stopping at the default plan: the plan the ART row takes (the thresholds do not change it)
     never_default = by_impl["art_never_default"]
     assert (never_default["num_splits"], never_default["follow_step"]) == (

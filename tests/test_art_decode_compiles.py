@@ -22,7 +22,9 @@ import torch
 
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import ON_DEMAND_POLL_NS, art_decode
+from kernels import art_wave_kernel
 from kernels.art_decode_kernel import UNSPECIALISED_INTS, art_decode_split_kernel
+from kernels.art_wave_kernel import WAVE_UNSPECIALISED_INTS
 from kernels.pair_walks import PairWalks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,11 +35,12 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.art_decode_kernel import art_decode_split_kernel
+import kernels.art_decode_kernel, kernels.art_wave_kernel
 for launch in json.load(sys.stdin):
+    kernel = getattr(getattr(kernels, launch.get("module", "art_decode_kernel")),
+                     launch.get("kernel", "art_decode_split_kernel"))
     attrs = {(index,): [["tt.divisibility", 16]] for index in launch["divisible_by_16"]}
-    source = ASTSource(fn=art_decode_split_kernel, signature=launch["signature"], constexprs=launch["constexprs"],
-                       attrs=attrs)
+    source = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     if launch.get("cubin"):
         with open(launch["cubin"], "wb") as f:
@@ -66,19 +69,19 @@ def _divisible_by_16(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
-def _compile_request(label: str, arg_names, call) -> dict:
+def _compile_request(label: str, arg_names, call, unspecialised=UNSPECIALISED_INTS) -> dict:
     """What the subprocess compiles for one recorded launch (``conftest.KernelLaunches``' call), specialised as the
     JIT specialises a launch on the GPU: an int argument equal to 1 becomes a constant, and the arguments divisible
     by 16 are compiled as such (without that, pointer loads compile to scalar loads with a register each, and a
     128-token build to 255 registers and 40 KB of shared memory instead of 151 and 136 KB), except the kernel's
-    ``UNSPECIALISED_INTS``, which stay plain values."""
+    ``UNSPECIALISED_INTS`` (``unspecialised``: the launched kernel's), which stay plain values."""
     options = {name: call.kwargs[name] for name in ("num_warps", "num_stages")}
     constexprs = {name: value for name, value in call.kwargs.items() if name not in options}
     if constexprs.get("ON_DEMAND"):   # recorded on the CPU, which polls without sleeping: compile the GPU's sleep
         constexprs["POLL_NS"] = ON_DEMAND_POLL_NS
     signature, divisible = {}, []
     for index, (name, value) in enumerate(zip(arg_names, call.args)):
-        specialised = name not in UNSPECIALISED_INTS
+        specialised = name not in unspecialised
         if specialised and isinstance(value, int) and not isinstance(value, bool) and value == 1:
             constexprs[name] = 1
         else:
@@ -123,6 +126,9 @@ CASES = [
      dict(num_splits=4, follow_step=34, return_result_steps=True)),
     ("group 3, per-pair splits, result steps, D 64", 9, 3, 64, torch.bfloat16, True,
      dict(lopsided_walks=True, return_result_steps=True)),
+    ("group 4, after a wave, one split", 32, 8, 128, torch.bfloat16, True, dict(num_splits=1, wave_steps=4)),
+    ("group 3, after a wave, deferred followers, ragged, D 64", 9, 3, 64, torch.bfloat16, True,
+     dict(num_splits=5, follow_step=20, ragged=True, wave_steps=4, return_result_steps=True)),
 ]
 
 
@@ -237,6 +243,47 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
     loops = _mma_loops(launches, tmp_path)
     for label, schedules in loops.items():
         assert schedules and all(loop.serialised_mmas <= 2 for loop in schedules), (label, schedules)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="needs Triton's CUDA backend (ptxas ships with the triton wheel)")
+def test_the_wave_kernels_compile_for_sm90(monkeypatch):
+    """The three kernels of ``kernels.art_wave`` compile for sm_90: contiguous and paged, uniform and ragged, both
+    orders, groups of 1, 4 and 20 query heads (a finishing program writes 16 at once), D = 64 and 128, and each
+    monitor build (output or accumulator probe, all or MMA dims, relative or absolute scale, each direction build)."""
+    import kernels.art_wave as art_wave_module
+    from conftest import KernelLaunches
+
+    recorded = {}
+    for name in ("wave_attend_kernel", "wave_monitor_kernel", "wave_finish_kernel"):
+        recorded[name] = KernelLaunches(getattr(art_wave_module, name), forward=False)
+        monkeypatch.setattr(art_wave_module, name, recorded[name])
+    monkeypatch.setattr("kernels.art_decode.art_decode_split_kernel", KernelLaunches(None, forward=False))
+    configs = [ARTConfig(), ARTConfig(probe_source="accumulator", probe_dims="mma", scale="absolute", phi=0.0),
+               ARTConfig(use_direction=False, phi=2.0)]
+    calls = [(1, 1, 64, dict(order="sequential")), (32, 8, 128, {}), (20, 1, 64, dict(ragged=True)),
+             (8, 2, 128, dict(paged=True, ragged=True))]
+    labels = []
+    for index, (q_heads, kv_heads, head_dim, layout) in enumerate(calls):
+        config = configs[index % len(configs)]
+        q = torch.zeros(2, q_heads, head_dim, dtype=torch.bfloat16)
+        k = torch.zeros(2, kv_heads, 1024, head_dim, dtype=torch.bfloat16)
+        keywords = {"order": layout.get("order", "sink_recency")}
+        if layout.get("paged"):
+            k = torch.zeros(2 * 1024 // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+            keywords["block_table"] = torch.arange(2 * 1024 // 16, dtype=torch.int32).view(2, -1)
+        if layout.get("ragged"):
+            keywords["cache_seqlens"] = torch.tensor([1024, 100], dtype=torch.int32)
+        art_decode(q, k, k.clone(), art=config.kernel_params(), wave_steps=2, num_splits=1, **keywords)
+        labels.append(f"{q_heads}/{kv_heads} heads, D {head_dim}, {layout or 'contiguous'}")
+    launches = []
+    for name, kernel_launches in recorded.items():
+        kernel = getattr(art_wave_kernel, name)
+        for label, call in zip(labels, kernel_launches.calls):
+            launch = _compile_request(f"{name}: {label}", kernel.arg_names, call, WAVE_UNSPECIALISED_INTS)
+            launches.append({**launch, "module": "art_wave_kernel", "kernel": name})
+    done = _compile_for_sm90(launches)
+    assert done.stdout.count("SASS bytes") == 3 * len(calls), done.stdout
 
 
 def test_the_unspecialised_ints_name_the_kernels_arguments():

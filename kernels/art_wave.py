@@ -1,0 +1,70 @@
+"""The ART wave's launcher (``kernels.art_wave_kernel``): ``art_decode(..., wave_steps=W)`` runs it before its walk.
+
+:func:`run_wave` attends the first ``W`` traversal steps of every ``(b, kv_head)`` pair at once, evaluates the ART
+monitor over them as scans, and writes ``out`` and ``lse`` of every pair it *finishes*: one whose query heads are
+all done within the wave (its stop is the walk's), or whose whole walk lies in it.  It returns each pair's result
+steps (0: not finished); ``art_decode_split_kernel`` then walks only the other pairs, from their first step, so
+that their blocks in the wave are read twice.  Every pair's wave reads ``min(W, blocks)`` blocks, also past its stop.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .art_params import ARTParams
+from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
+from .paged_cache import kv_strides
+
+MAX_WAVE_STEPS = 128       # the monitor holds [W, D] fp32 tiles: 128 steps at D = 128 take 16 warps
+WAVE_HEADS = 16            # query heads a finishing program writes at once
+WAVE_WARPS = 4
+
+
+def monitor_warps(wave_steps: int, head_dim: int) -> int:
+    """Warps of ``wave_monitor_kernel``: its ``[W, D]`` fp32 tiles (the blocks', the scanned states, the states before
+    each step and the monitor's squares) at about 32 registers each per thread."""
+    return min(16, max(4, triton.next_power_of_2(wave_steps) * head_dim // 1024))
+
+
+def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, monitor: ARTParams, wave_steps: int,
+             block_size: int, order: str, sm_scale: float, kv_heads: int, max_len: int,
+             seqlens: torch.Tensor | None, block_table: torch.Tensor | None, direction: int, block_h: int,
+             out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The wave over ``q [B, Hq, D]`` and the cache (contiguous ``[B, Hkv, S, D]``, or paged with ``block_table``):
+    writes the finished pairs' ``out [B, Hq, D]`` and ``lse [B, Hq]`` and returns ``wave_done [B * Hkv]`` (int32:
+    each pair's result steps where the wave finished it, else 0).  ``seqlens``: ``[B]`` lengths where they differ,
+    else every sequence holds ``max_len`` tokens; ``direction``: the monitor's direction build
+    (``kernels.art_decode._direction_build``); ``block_h``: the rows of the attend's dot tile
+    (``kernels.art_decode.tile_rows``)."""
+    batch, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    pairs = batch * kv_heads
+    paged = block_table is not None
+    device = q.device
+    part_m = torch.empty(pairs * group * wave_steps, dtype=torch.float32, device=device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(pairs * group * wave_steps * head_dim, dtype=torch.float32, device=device)
+    head_done = torch.empty(pairs * group, dtype=torch.int32, device=device)
+    wave_done = torch.empty(pairs, dtype=torch.int32, device=device)
+    lengths = wave_done if seqlens is None else seqlens       # a placeholder pointer where the lengths agree
+    table = block_table if paged else wave_done
+    strides_k, strides_v = kv_strides(k_cache, paged), kv_strides(v_cache, paged)
+    ragged = seqlens is not None
+    wave_attend_kernel[(wave_steps, pairs)](
+        q, k_cache, v_cache, table, lengths, part_m, part_l, part_acc, sm_scale, kv_heads, max_len, wave_steps,
+        q.stride(0), q.stride(1), *strides_k, *strides_v, table.stride(0) if paged else 0,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim, PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, SINK_RECENCY=order == "sink_recency", RAGGED=ragged,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WAVE_WARPS, num_stages=1)
+    wave_monitor_kernel[(pairs, group)](
+        part_m, part_l, part_acc, head_done, lengths, sm_scale, float(monitor.tau), float(monitor.phi),
+        int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
+        GROUP=group, BLOCK_W=triton.next_power_of_2(wave_steps), HEAD_DIM=head_dim, BLOCK_N=block_size, RAGGED=ragged,
+        PROBE_OUTPUT=monitor.probe_source == "output", PROBE_MMA=monitor.probe_dims == "mma",
+        RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale, USE_DIRECTION=direction,
+        num_warps=monitor_warps(wave_steps, head_dim), num_stages=1)
+    wave_finish_kernel[(pairs,)](
+        part_m, part_l, part_acc, head_done, lengths, out, lse, wave_done, sm_scale, kv_heads, max_len, wave_steps,
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=min(WAVE_HEADS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_size, RAGGED=ragged, num_warps=WAVE_WARPS, num_stages=1)
+    return wave_done

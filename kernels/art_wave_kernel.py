@@ -1,0 +1,208 @@
+"""Triton kernels of the ART *wave*: a pair's first ``W`` traversal steps attended at once, one program per step, and
+the ART monitor over them evaluated as scans (``kernels.art_wave`` launches them; ``kernels.art_decode``'s
+``wave_steps``).
+
+A walk that stops after ``T`` steps takes ``T`` lone steps in ``art_decode_split_kernel`` however few blocks it reads
+(about 1.2 us per 64-token block at ``D = 128``).  The wave reads the first ``W`` blocks of every pair in parallel
+and recovers every step's monitor state from the blocks' partial states, so a pair that stops within them (or whose
+walk is shorter) ends after one parallel read and two short evaluations; it reads the blocks past its stop too.
+
+* ``wave_attend_kernel``, grid ``(W, B * Hkv)``: step ``t`` of pair ``bh`` attends its block from an empty state, as
+  the walk's first step would (``_attend_block``): the block's score maximum ``m_t [GROUP]`` (unscaled), its
+  ``l_t = sum exp(s - m_t)`` and ``a_t = p V [GROUP, D]`` (fp32), into ``part_m``, ``part_l [B * Hkv, GROUP, W]`` and
+  ``part_acc [B * Hkv, GROUP, W, D]``.  A step past the pair's blocks stores ``m = -inf``, ``l = 0``, ``a = 0``.
+* ``wave_monitor_kernel``, grid ``(B * Hkv, GROUP)``: per query head, the walk's running state after every step,
+  in the frame of its running maximum ``M_t = max(m_0..m_t)`` as the walk holds it, by linear-recurrence scans over
+  the steps::
+
+      L_t = alpha_t L_(t-1) + beta_t l_t,   A_t = alpha_t A_(t-1) + beta_t a_t
+      alpha_t = exp(M_(t-1) - M_t),  beta_t = exp(m_t - M_t)
+
+  ``M``, ``L`` and ``A`` overwrite ``part_m``, ``part_l`` and ``part_acc`` (row ``t``: the state after step ``t``),
+  and the state before each step is read back from row ``t - 1``.  The walk's own monitor step
+  (``art_decode_kernel._probe_update``) then judges every step at once, the rows of its tiles being the steps: the
+  probe's norm before each step as the walk carries it, then each step's stable test.  The head's stable runs are a
+  running maximum of its last unstable step; its first done step (``W + 1``: none in the wave) goes to
+  ``head_done [B * Hkv, GROUP]``.
+* ``wave_finish_kernel``, grid ``(B * Hkv,)``: the pair's stop is its last head's first done step (group rule
+  ``all``).  A pair that stops in the wave, or whose whole walk lies in it (it then returns the dense output), is
+  *finished*: its ``out [B, Hq, D]`` and ``lse [B, Hq]`` are row ``stop`` of the scanned state (``A / L``;
+  ``M * sm_scale + log L``) and ``wave_done [B * Hkv]`` (int32) holds its result steps ``stop + 1``; any other pair
+  gets 0 and is walked by ``art_decode_split_kernel`` from its first step.
+
+The scans sum in another order than the walk, so the monitor's values agree with the walk's to rounding, and a
+stop can move where a step's change lies within rounding of a threshold.  Readable reference: the simulator's
+``mode="kernel"`` replay and ``art_analysis.termination.stop`` (``art_analysis.blockwise``), as for the walk.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .art_decode_kernel import _attend_block, _probe_update, _step_tiles
+
+# integer arguments compiled as plain values (as art_decode_split_kernel's UNSPECIALISED_INTS): the thresholds and
+# the length
+WAVE_UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len")
+
+
+@triton.jit
+def _sequence_length(seqlens_ptr, b, uniform_len, RAGGED: tl.constexpr):
+    """Sequence ``b``'s tokens (int64): ``seqlens_ptr[b]`` where the lengths differ, else ``uniform_len``."""
+    if RAGGED:
+        seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
+    else:
+        seqlen = uniform_len.to(tl.int64)
+    return seqlen
+
+
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
+def wave_attend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                       sm_scale, num_kv_heads, uniform_len, wave_steps,
+                       stride_qb, stride_qh, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                       stride_table_b,
+                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SINK_RECENCY: tl.constexpr,
+                       RAGGED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid ``(W, B * Hkv)``: one block's partial state (module docstring).  K and V through pointer loads
+    (``strides`` as ``art_decode_split_kernel``'s; ``table_ptr [B, max_pages]`` on the paged layout)."""
+    step = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    kv_head = bh % num_kv_heads
+    seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
+    num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < GROUP
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if step < num_blocks:
+        heads = kv_head * GROUP + rows
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + dims[None, :],
+                    mask=row_valid[:, None], other=0.0)
+        valids, ks, vs = _step_tiles(step, num_blocks, b, kv_head, seqlen, k_ptr, v_ptr, table_ptr, stride_table_b,
+                                     PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, "pointers", True)
+        m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, sm_scale * 1.4426950408889634, DOT_PRECISION, True)
+    slots = (bh.to(tl.int64) * GROUP + rows) * wave_steps + step
+    tl.store(part_m_ptr + slots, m, mask=row_valid)
+    tl.store(part_l_ptr + slots, l, mask=row_valid)
+    tl.store(part_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _linear_recurrence(alpha_a, x_a, alpha_b, x_b):
+    """Combine of the scan of ``X_t = alpha_t X_(t-1) + x_t``: ``a`` then ``b``."""
+    return alpha_a * alpha_b, alpha_b * x_a + x_b
+
+
+@triton.jit
+def _frame_weights(part_m_ptr, slots, t, in_wave, score_log2):
+    """``(M, alpha, beta)`` over the steps ``t [BLOCK_W]`` of one head (``slots``: their rows of ``part_m``; module
+    docstring): the running maximum and the rescalings of the previous state and of each block; a step outside the
+    wave keeps the state (``alpha = 1``, ``beta = 0``)."""
+    m = tl.load(part_m_ptr + slots, mask=in_wave, other=float("-inf"))
+    running = tl.associative_scan(m, 0, _maximum)
+    before = tl.associative_scan(tl.load(part_m_ptr + slots - 1, mask=in_wave & (t > 0), other=float("-inf")), 0,
+                                 _maximum)
+    alpha = tl.where((t == 0) | ~in_wave, 1.0, tl.exp2((before - running) * score_log2))
+    beta = tl.where(in_wave, tl.exp2((m - running) * score_log2), 0.0)
+    return running, alpha, beta
+
+
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS)
+def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, head_done_ptr, seqlens_ptr,
+                        sm_scale, tau, phi, patience, first_counted, num_kv_heads, uniform_len, wave_steps,
+                        GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr,
+                        RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr):
+    """Grid ``(B * Hkv, GROUP)``: one query head's scanned states and first done step (module docstring; the
+    monitor's switches as ``art_decode_split_kernel``'s, whose ``_probe_update`` judges every step of the wave at
+    once: the rows of its tiles are the steps)."""
+    bh = tl.program_id(0)
+    head = tl.program_id(1)
+    seqlen = _sequence_length(seqlens_ptr, bh // num_kv_heads, uniform_len, RAGGED)
+    steps = tl.minimum(tl.cdiv(seqlen, BLOCK_N), wave_steps)
+    t = tl.arange(0, BLOCK_W)
+    dims = tl.arange(0, HEAD_DIM)
+    in_wave = t < steps
+    slots = (bh.to(tl.int64) * GROUP + head) * wave_steps + t
+    rows = slots[:, None] * HEAD_DIM + dims[None, :]
+    score_log2 = sm_scale * 1.4426950408889634
+    running, alpha, beta = _frame_weights(part_m_ptr, slots, t, in_wave, score_log2)
+    l = tl.load(part_l_ptr + slots, mask=in_wave, other=0.0)
+    a = tl.load(part_acc_ptr + rows, mask=in_wave[:, None], other=0.0)
+    _, total = tl.associative_scan((alpha, beta * l), 0, _linear_recurrence)
+    _, acc = tl.associative_scan((tl.broadcast_to(alpha[:, None], a.shape), beta[:, None] * a), 0, _linear_recurrence)
+    # the state after each step in place of the blocks' (for wave_finish_kernel), then the state before each step
+    tl.debug_barrier()       # every thread has read the blocks before any overwrites them
+    tl.store(part_m_ptr + slots, running, mask=in_wave)
+    tl.store(part_l_ptr + slots, total, mask=in_wave)
+    tl.store(part_acc_ptr + rows, acc, mask=in_wave[:, None])
+    tl.debug_barrier()
+    first = in_wave & (t > 0)
+    total_before = tl.load(part_l_ptr + slots - 1, mask=first, other=0.0)
+    acc_before = tl.load(part_acc_ptr + rows - HEAD_DIM, mask=first[:, None], other=0.0)
+    if PROBE_MMA:
+        probe_dim = (dims % 8) <= 1
+    else:
+        probe_dim = dims >= 0
+    probe_mask = probe_dim[None, :] & (t[:, None] >= 0)
+    zeros = tl.zeros([BLOCK_W], tl.int32)
+    # the probe's norm before each step, as the walk carries it from the step before
+    norm_before, _, _ = _probe_update(acc_before, total_before, acc_before, total_before,
+                                      tl.zeros([BLOCK_W], tl.float32), zeros, zeros, t, first_counted, tau, phi,
+                                      patience, probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                                      USE_DIRECTION)
+    # each step's stable test (a run counter of 1 from 0), then its stable run: steps since the last unstable one
+    _, stable, _ = _probe_update(acc_before, total_before, acc, total, norm_before, zeros, zeros, t, first_counted,
+                                 tau, phi, patience, probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
+                                 USE_DIRECTION)
+    last_unstable = tl.associative_scan(tl.where(stable > 0, -1, t), 0, _maximum)
+    done = in_wave & (t - last_unstable >= patience)
+    tl.store(head_done_ptr + bh * GROUP + head, tl.min(tl.where(done, t, BLOCK_W + 1), 0))
+
+
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
+def wave_finish_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, head_done_ptr, seqlens_ptr, out_ptr, lse_ptr,
+                       wave_done_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps, stride_ob, stride_oh,
+                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RAGGED: tl.constexpr):
+    """Grid ``(B * Hkv,)``: the pair's stop, and its output where the wave finished it (module docstring)."""
+    bh = tl.program_id(0)
+    b = bh // num_kv_heads
+    kv_head = bh % num_kv_heads
+    seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
+    num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    steps = tl.minimum(num_blocks, wave_steps).to(tl.int32)
+    stop = (bh * 0).to(tl.int32)
+    for g0 in tl.static_range(0, GROUP, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        stop = tl.maximum(stop, tl.max(tl.load(head_done_ptr + bh * GROUP + g, mask=g < GROUP, other=0), 0))
+    # a walk that lies in the wave without stopping ends at its last block: the dense output
+    finished = (stop < steps) | (steps == num_blocks)
+    stop = tl.minimum(stop, steps - 1)
+    tl.store(wave_done_ptr + bh, tl.where(finished, stop + 1, 0))
+    if finished:
+        dims = tl.arange(0, HEAD_DIM)
+        for g0 in tl.static_range(0, GROUP, BLOCK_G):
+            g = g0 + tl.arange(0, BLOCK_G)
+            valid = g < GROUP
+            slots = (bh.to(tl.int64) * GROUP + g) * wave_steps + stop
+            acc = tl.load(part_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+            total = tl.load(part_l_ptr + slots, mask=valid, other=0.0)
+            running = tl.load(part_m_ptr + slots, mask=valid, other=0.0)
+            empty = total == 0.0
+            safe = tl.where(empty, 1.0, total)
+            heads = (kv_head * GROUP + g).to(tl.int64)
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     (acc / safe[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+            tl.store(lse_ptr + b.to(tl.int64) * num_kv_heads * GROUP + heads,
+                     tl.where(empty, float("-inf"), running * sm_scale + tl.log(safe)), mask=valid)

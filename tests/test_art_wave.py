@@ -1,0 +1,218 @@
+"""The ART wave (``art_decode(..., wave_steps=W)``, ``kernels.art_wave``) against the simulator: the pairs it
+finishes stop where the simulator's kernel-mode walk stops, with its output; the others are walked after it as
+without a wave; stats count the wave's blocks; outputs are fully written; ragged lengths, pages and both orders.
+
+CPU runs use the Triton interpreter on small fp16/fp32 shapes; the ``gpu`` tests repeat the checks at real sizes in
+bf16 (``pytest -m gpu``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.art_decode as art_decode_module
+from art_analysis.termination import ARTConfig
+from kernels.art_decode import art_decode, plan_decode
+from kernels.art_wave import MAX_WAVE_STEPS
+from kernels.pair_walks import PairWalks
+from kernels.paged_cache import to_paged
+from kernels.walk_hint import LongestWalkHint
+from test_art_decode import (ART_CONFIGS, CPU, assert_paged_agrees, assert_stop_agreement, assert_within_flash_oracle,
+                             captured_inputs, compare_stop_steps, simulator_stop, synthetic_inputs)
+
+LOOSE = ARTConfig(tau=1e-3, phi=1e-4, patience=2)
+
+
+def _walks_and_results(q, k, v, config, wave_steps, **kwargs):
+    """``(single walks [B, Hkv], wave call's (out, lse, steps, result_steps))`` of one call with a wave and the
+    single-split call without one."""
+    params = config.kernel_params()
+    _, single = art_decode(q, k, v, art=params, num_splits=1, return_stats=True, **kwargs)
+    waved = art_decode(q, k, v, art=params, wave_steps=wave_steps, return_lse=True, return_stats=True,
+                       return_result_steps=True, **kwargs)
+    return single[..., 0], waved
+
+
+@pytest.mark.parametrize("wave_steps", [3, 10])
+def test_stop_steps_and_outputs_match_the_simulator(wave_steps):
+    """A wave shorter than the earliest stop and one around the stops: each pair's result steps are the simulator's
+    stop + 1 and its output the simulator's, whether the wave or the walk after it finished it."""
+    cases = [synthetic_inputs(3, 8, 2, 2400, 64, torch.float32, CPU, seed=seed) + (None,) for seed in range(2)]
+    cases.append(synthetic_inputs(2, 6, 2, 1500, 64, torch.float16, CPU, seed=7, preset="peaked") + (None,))
+    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS, wave_steps=wave_steps), f"wave of {wave_steps}")
+
+
+def test_a_wave_over_whole_walks_stops_where_the_simulator_does():
+    cases = [synthetic_inputs(2, 6, 2, 1500, 64, torch.float16, CPU, seed=7, preset="peaked") + (None,)]
+    assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS, wave_steps=24), "wave of every block")
+
+
+def test_stop_steps_match_the_simulator_on_a_captured_layer_in_both_orders():
+    q, k, v, seqlens = captured_inputs(CPU, torch.float32)
+    for order, configs in (("sink_recency", ART_CONFIGS[:2]), ("sequential", ART_CONFIGS[2:3])):
+        assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], configs, order=order, wave_steps=12),
+                              f"captured SmolLM2 layer 15, wave of 12, {order}")
+
+
+@pytest.mark.parametrize("num_splits, follow_step", [(1, None), (3, 0), (4, 6)])
+def test_the_pairs_the_wave_does_not_finish_are_walked_as_without_it(num_splits, follow_step):
+    """A pair that stops within the wave takes the wave's output and result; any other gets the call's walk without
+    a wave (the same output, bit for bit, and the same leader steps plus the wave's blocks)."""
+    q, k, v = synthetic_inputs(4, 8, 2, 3000, 64, torch.float32, CPU, seed=3)
+    params = LOOSE.kernel_params()
+    plain = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=follow_step, return_lse=True,
+                       return_stats=True, return_result_steps=True)
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1][..., 0]
+    wave_steps = int(walks.float().median())
+    out, lse, steps, result = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=follow_step,
+                                         wave_steps=wave_steps, return_lse=True, return_stats=True,
+                                         return_result_steps=True)
+    finished = walks <= wave_steps
+    assert finished.any() and not finished.all()
+    heads = finished.repeat_interleave(4, dim=1)
+    assert torch.equal(out[~heads], plain[0][~heads]) and torch.equal(lse[~heads], plain[1][~heads])
+    torch.testing.assert_close(out[heads], plain[0][heads], rtol=1e-5, atol=1e-6)
+    assert torch.equal(result, torch.where(finished, walks, plain[3]))
+    # the wave read min(W, blocks) blocks of every pair: counted in the leader's steps
+    assert torch.equal(steps[..., 0], torch.where(finished, wave_steps, plain[2][..., 0] + wave_steps))
+    assert torch.equal(steps[..., 1:], torch.where(finished[..., None], 0, plain[2][..., 1:]))
+    plan = plan_decode(q, k, v, art=params, num_splits=num_splits, follow_step=follow_step, wave_steps=wave_steps)
+    assert plan.wave_steps == wave_steps
+    assert torch.equal(plan.result_steps(walks), result)
+
+
+def test_a_walk_within_the_wave_that_does_not_stop_returns_the_dense_output():
+    lengths = torch.tensor([1, 63, 65, 1027], dtype=torch.int32)
+    q, k, v = synthetic_inputs(4, 4, 2, 1027, 64, torch.float32, CPU, seed=13)
+    never = ARTConfig(tau=0.0, phi=0.0, patience=2).kernel_params()
+    dense = art_decode(q, k, v, cache_seqlens=lengths, block_size=64, num_splits=1, return_lse=True)
+    out, lse, steps, result = art_decode(q, k, v, cache_seqlens=lengths, art=never, wave_steps=17, return_lse=True,
+                                         return_stats=True, return_result_steps=True)
+    blocks = (lengths.long() + 63) // 64
+    assert torch.equal(result, blocks[:, None].expand(-1, 2).to(result.dtype))
+    assert torch.equal(steps.sum(-1), blocks[:, None].expand(-1, 2).to(steps.dtype))
+    torch.testing.assert_close(out, dense[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, dense[1], rtol=1e-6, atol=1e-6)
+    assert_within_flash_oracle(out, q, k, v, lengths)
+
+
+def test_ragged_lengths_and_shuffled_pages_give_the_contiguous_wave():
+    lengths = torch.tensor([1, 63, 65, 1027], dtype=torch.int32)
+    q, k, v = synthetic_inputs(4, 6, 2, 1027, 64, torch.float16, CPU, seed=13)
+    params = LOOSE.kernel_params()
+    contiguous = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=2, block_size=64, wave_steps=5,
+                            return_lse=True, return_stats=True)
+    expected, _ = simulator_stop(q, k, v, lengths, LOOSE, "sink_recency")
+    _, _, _, result = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1, wave_steps=5,
+                                 return_stats=True, return_lse=True, return_result_steps=True)
+    assert torch.equal(result.long(), expected)
+    past = torch.arange(k.shape[2])[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
+    for page_size in (1, 16, 48, 64):
+        k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params, num_splits=2,
+                           block_size=64, wave_steps=5, return_lse=True, return_stats=True)
+        assert_paged_agrees(paged, contiguous, page_size, 64)
+
+
+def test_outputs_fully_written_over_nan_poisoned_buffers(monkeypatch):
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+
+    q, k, v = synthetic_inputs(3, 4, 2, 900, 64, torch.float16, CPU, seed=5)
+    seqlens = torch.tensor([900, 1, 130], dtype=torch.int32)
+    params = LOOSE.kernel_params()
+    calls = [dict(num_splits=splits, wave_steps=wave) for splits in (1, 3) for wave in (2, 6)]
+    clean = [art_decode(q, k, v, cache_seqlens=seqlens, art=params, return_lse=True, return_stats=True,
+                        return_result_steps=True, **call) for call in calls]
+    monkeypatch.setattr(art_decode_module, "_scratch", poisoned)
+    for call, reference in zip(calls, clean):
+        dirty = art_decode(q, k, v, cache_seqlens=seqlens, art=params, return_lse=True, return_stats=True,
+                           return_result_steps=True, **call)
+        assert torch.isfinite(dirty[0]).all() and torch.isfinite(dirty[1]).all()
+        for a, b in zip(dirty, reference):
+            assert torch.equal(a, b)
+
+
+def test_a_dense_walk_after_the_wave_keeps_the_wave_results():
+    """Where the planned leader range cannot reach the earliest stop the walk after the wave runs dense: the pairs the
+    wave finished keep their stops, the others take the dense output."""
+    q, k, v = synthetic_inputs(2, 4, 2, 2048, 64, torch.float32, CPU, seed=9)
+    params = LOOSE.kernel_params()
+    plan = plan_decode(q, k, v, art=params, num_splits=32, wave_steps=8)
+    assert plan.art is None and plan.monitored and plan.wave_steps == 8
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1][..., 0]
+    out, result = art_decode(q, k, v, art=params, num_splits=32, wave_steps=8, return_result_steps=True)
+    dense = art_decode(q, k, v, num_splits=32, block_size=64)
+    finished = walks <= 8
+    assert finished.any() and not finished.all()
+    assert torch.equal(result, torch.where(finished, walks, 32))
+    heads = finished.repeat_interleave(2, dim=1)
+    assert torch.equal(out[~heads], dense[~heads])
+    _, simulated = simulator_stop(q, k, v, None, LOOSE, "sink_recency")
+    torch.testing.assert_close(out[heads].double(), simulated.output[heads].double(), rtol=2e-5, atol=2e-5)
+
+
+def test_bad_wave_steps_are_refused_with_the_reason():
+    q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
+    params = LOOSE.kernel_params()
+    for value in (0, MAX_WAVE_STEPS + 1, 2.0, True, "8"):
+        with pytest.raises((ValueError, TypeError), match="wave_steps"):
+            art_decode(q, k, v, art=params, wave_steps=value)
+    with pytest.raises(ValueError, match="needs art"):
+        art_decode(q, k, v, wave_steps=4)
+    told = PairWalks.from_walks(torch.full((1, 2), 3))
+    for keywords in (dict(pair_walks=told), dict(release_walks=4), dict(walk_hint=LongestWalkHint())):
+        with pytest.raises(ValueError, match="not with pair_walks, release_walks or walk_hint"):
+            art_decode(q, k, v, art=params, wave_steps=4, **keywords)
+    # a wave past the walk's blocks is the whole walk
+    assert plan_decode(q, k, v, art=params, wave_steps=MAX_WAVE_STEPS).wave_steps == 4
+
+
+def _cuda():
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_stop_steps_match_the_simulator():
+    cases = []
+    for seed, (preset, q_heads, kv_heads) in enumerate((("realistic", 32, 8), ("peaked", 40, 8), ("realistic", 48, 4))):
+        q, k, v = synthetic_inputs(8, q_heads, kv_heads, 4096, 128, torch.bfloat16, _cuda(), seed=seed, preset=preset)
+        cases.append((q, k, v, None))
+    for wave_steps in (16, 48):
+        assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS + (ARTConfig(),), wave_steps=wave_steps),
+                              f"GPU bf16 synthetic, wave of {wave_steps}")
+    q, k, v, seqlens = captured_inputs(_cuda(), torch.bfloat16)
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS + (ARTConfig(),), wave_steps=48),
+                          "GPU bf16 captured layer, wave of 48")
+
+
+@pytest.mark.gpu
+def test_gpu_wave_calls_agree_with_their_walks_ragged_paged_and_graphed(monkeypatch):
+    lengths = torch.tensor([1, 63, 65, 1027, 20000], dtype=torch.int32, device="cuda")
+    q, k, v = synthetic_inputs(5, 32, 8, 20000, 128, torch.bfloat16, _cuda(), seed=2)
+    params = ARTConfig().kernel_params()
+    walks = art_decode(q, k, v, cache_seqlens=lengths, art=params, num_splits=1, return_stats=True)[1][..., 0]
+    monkeypatch.setattr(art_decode_module, "_scratch", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
+    out, lse, steps, result = art_decode(q, k, v, cache_seqlens=lengths, art=params, wave_steps=48, return_lse=True,
+                                         return_stats=True, return_result_steps=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (result == walks).float().mean() >= 0.99
+    past = torch.arange(k.shape[2], device=k.device)[None, :] >= lengths[:, None].long()
+    k_past, v_past = (x.masked_fill(past[:, None, :, None], float("nan")) for x in (k, v))
+    for page_size in (1, 16, 64):
+        k_pages, v_pages, table = to_paged(k_past, v_past, page_size, seed=page_size)
+        paged = art_decode(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, art=params, wave_steps=48,
+                           return_lse=True, return_stats=True, return_result_steps=True)
+        assert torch.equal(paged[3], result)
+        finished = (result <= 48).repeat_interleave(4, dim=1)
+        assert torch.equal(paged[0][finished], out[finished])
+    # a CUDA graph of the call replays its result
+    graph = torch.cuda.CUDAGraph()
+    static = art_decode(q, k, v, cache_seqlens=lengths, art=params, wave_steps=48)
+    with torch.cuda.graph(graph):
+        static = art_decode(q, k, v, cache_seqlens=lengths, art=params, wave_steps=48)
+    static.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(static, out)
