@@ -781,7 +781,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             are all done within them, or whose walk is no longer, takes its output from the wave, and the walk that
             the other arguments plan runs for the other pairs only, from their first step.  A lone walk takes about
             1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
-            blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's).  Not with
+            blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's), with scratch of
+            ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128).  Not with
             ``pair_walks``, ``release_walks`` or ``walk_hint``.  Default: no wave.
         read_lengths: ``False`` leaves ``cache_seqlens`` and ``block_table`` on the device: no sync (each call
             with lengths otherwise reads their min and max, and on the paged layout checks the pages they use).

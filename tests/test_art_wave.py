@@ -96,6 +96,22 @@ def test_a_walk_within_the_wave_that_does_not_stop_returns_the_dense_output():
     assert_within_flash_oracle(out, q, k, v, lengths)
 
 
+def test_a_block_of_infinite_scores_after_the_first_adds_nothing_in_the_wave_as_in_the_walk():
+    """An infinite key makes a block's scores all -inf: the walk, whose running maximum is finite by then, adds
+    nothing for it, and the wave, which attends each block from an empty state, must not turn it into NaN."""
+    q, k, v = synthetic_inputs(1, 4, 1, 640, 64, torch.float32, CPU, seed=3)
+    dim = int(torch.nonzero((q[0] > 0).all(0))[0])
+    k[0, 0, 576:, dim] = float("-inf")          # block 9: traversal step 1 under sink_recency
+    params = LOOSE.kernel_params()
+    walked = art_decode(q, k, v, art=params, num_splits=1, return_lse=True, return_result_steps=True)
+    for wave_steps in (2, 12):                  # the pair walks after the wave, or the wave holds the whole walk
+        waved = art_decode(q, k, v, art=params, num_splits=1, wave_steps=wave_steps, return_lse=True,
+                           return_result_steps=True)
+        assert torch.isfinite(waved[0]).all() and torch.equal(waved[2], walked[2])
+        torch.testing.assert_close(waved[0], walked[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(waved[1], walked[1], rtol=1e-6, atol=1e-6)
+
+
 def test_ragged_lengths_and_shuffled_pages_give_the_contiguous_wave():
     lengths = torch.tensor([1, 63, 65, 1027], dtype=torch.int32)
     q, k, v = synthetic_inputs(4, 6, 2, 1027, 64, torch.float16, CPU, seed=13)
