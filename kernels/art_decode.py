@@ -542,6 +542,15 @@ class DecodePlan:
             return self.max_steps
         return ((self.seqlens + self.block_size - 1) // self.block_size)[:, None]
 
+    @property
+    def wave_blocks(self) -> int | torch.Tensor:
+        """Blocks of each sequence's walk that the wave reads, ``min(wave_steps, walk_blocks)`` (0 without a wave):
+        an int, or ``[B, 1]`` int32 on the call's device where the lengths differ."""
+        blocks = self.walk_blocks
+        if isinstance(blocks, int):
+            return min(blocks, self.wave_steps)
+        return torch.clamp(blocks, max=self.wave_steps)
+
     def result_steps(self, walks: torch.Tensor) -> torch.Tensor:
         """The ``result_steps [B, Hkv]`` (``art_decode``'s ``return_result_steps``) this plan gives pairs whose single
         walks (one split, the simulator's ``stop_step + 1``) are ``walks [B, Hkv]`` (int, blocks): under a monitor,
@@ -566,7 +575,8 @@ class DecodePlan:
         else:
             walked = planned_result_steps(walks, blocks, self.num_splits, self.follow_step)
         if self.wave_steps:   # a walk that ends within the wave is the wave's
-            walked = torch.where(walks <= torch.clamp(blocks, max=self.wave_steps), walks, walked)
+            wave_blocks = torch.as_tensor(self.wave_blocks, dtype=walks.dtype, device=walks.device)
+            walked = torch.where(walks <= wave_blocks, walks, walked)
         return walked
 
 
@@ -888,10 +898,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
-        leader_steps = steps[..., 0]
-        if plan.wave_steps:   # the wave's result where it finished the pair; the leader's steps without its blocks
-            leader_steps = leader_steps - torch.clamp(torch.as_tensor(plan.walk_blocks, device=q.device),
-                                                      max=plan.wave_steps)
+        # after a wave: the leader's steps without the wave's blocks, and the wave's result where it finished the pair
+        leader_steps = steps[..., 0] - plan.wave_blocks if plan.wave_steps else steps[..., 0]
         walked = torch.where(kept == 1, leader_steps, plan.walk_blocks)
         if plan.wave_steps:
             walked = torch.where(wave_done.view(batch, kv_heads) > 0, wave_done.view(batch, kv_heads), walked)

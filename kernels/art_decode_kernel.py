@@ -855,6 +855,7 @@ def art_decode_split_kernel(
         # the leader counts the blocks the wave read for its pair
         visited += tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0)
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
+    # (the call twice, so that the builds without a wave compile exactly as before: no branch around the result)
     if WAVE:
         if wave_result == 0:
             _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
