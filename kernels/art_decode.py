@@ -407,6 +407,7 @@ synthetic caches, W = 48), the call's time against the default plan's: B = 1 x 3
 22.2 us, 8 x 32k / 128k 67.5 / 63.0 -> 59.2 / 58.6, the 64-dim cache (9 / 3 heads) at 8 x 32k 74.0 -> 22.5 and
 32 x 32k 51.1 -> 43.0; slower where many pairs share the bandwidth (16 x 32k 70.3 -> 107.3, 32 x 8k 136.3 -> 289.3),
 at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 % at 8 x 128k to +67 % at 1 x 8k).
+Its monitor at half those warps since (V83) took 6-10 % off at B = 8-32 (8 x 32k 59.5 -> 55.4 us).
 The wave's monitor is the walk's own step (``_probe_update``) over the scanned states, so its stops agree with the
 simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168 captured).
 No default plan takes it: whether it pays depends on walks that only the data knows.

@@ -15,15 +15,19 @@ from .art_params import ARTParams
 from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
 from .paged_cache import kv_strides
 
-MAX_WAVE_STEPS = 128       # the monitor holds [W, D] fp32 tiles: 128 steps at D = 128 take 16 warps
+MAX_WAVE_STEPS = 128       # the monitor holds [W, D] fp32 tiles: 128 steps at D = 128 take 8 warps
 WAVE_HEADS = 16            # query heads a finishing program writes at once
 WAVE_WARPS = 4
 
 
 def monitor_warps(wave_steps: int, head_dim: int) -> int:
-    """Warps of ``wave_monitor_kernel``: its ``[W, D]`` fp32 tiles (the blocks', the scanned states, the states before
-    each step and the monitor's squares) at about 32 registers each per thread."""
-    return min(16, max(4, triton.next_power_of_2(wave_steps) * head_dim // 1024))
+    """Warps of ``wave_monitor_kernel``: one per 2048 elements of its ``[W, D]`` fp32 tiles (the blocks', the scanned
+    states, the states before each step and the monitor's squares: 64 registers each per thread), at least 4.  Twice
+    as many warps were as fast or slower at every shape measured (NOTES V83, ``-wave-monitor-warps-ab-h100.json``, an
+    H100; the call with 8 warps against 4 at ``W = 48 / 64``, ``D = 128``: the same at B = 1, 6-10 % longer at
+    B = 8-32; 16 against 8 at ``W = 128``: 4-5 % longer), though the fewer spill (300 bytes at ``W = 64``,
+    ``D = 128``; about 1 KB at ``W = 128``)."""
+    return min(16, max(4, triton.next_power_of_2(wave_steps) * head_dim // 2048))
 
 
 def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, monitor: ARTParams, wave_steps: int,
