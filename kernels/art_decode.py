@@ -407,7 +407,7 @@ synthetic caches, W = 48), the call's time against the default plan's: B = 1 x 3
 22.2 us, 8 x 32k / 128k 67.5 / 63.0 -> 59.2 / 58.6, the 64-dim cache (9 / 3 heads) at 8 x 32k 74.0 -> 22.5 and
 32 x 32k 51.1 -> 43.0; slower where many pairs share the bandwidth (16 x 32k 70.3 -> 107.3, 32 x 8k 136.3 -> 289.3),
 at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 % at 8 x 128k to +67 % at 1 x 8k).
-Its monitor at half those warps since (V83) took 6-10 % off at B = 8-32 (8 x 32k 59.5 -> 55.4 us).
+Since V83 its monitor runs at half the warps: the same at B = 1, 6-10 % faster at B = 8-32 (8 x 32k 59.5 -> 55.4 us).
 The wave's monitor is the walk's own step (``_probe_update``) over the scanned states, so its stops agree with the
 simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168 captured).
 No default plan takes it: whether it pays depends on walks that only the data knows.
@@ -842,6 +842,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     table = block_table if paged else steps          # steps: a placeholder pointer, never read
     lengths = steps if seqlens is None else seqlens
     strides_k, strides_v = kv_strides(k_cache, paged), kv_strides(v_cache, paged)
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     loads = _kv_loads(k_cache, v_cache, paged, block_size, uniform=seqlens is None,
                       leader_steps=(max_steps if on_demand else leader_range(max_steps, num_splits, follow_step)
                                     if art is not None and num_splits > 1 else None))
@@ -867,8 +868,9 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if plan.wave_steps:
         wave_done = run_wave(q, k_cache, v_cache, monitor=art_params, wave_steps=plan.wave_steps,
                              block_size=block_size, order=plan.order, sm_scale=plan.sm_scale, kv_heads=kv_heads,
-                             max_len=max_len, seqlens=seqlens, block_table=block_table,
-                             direction=_direction_build(art_params), block_h=block_h, out=out, lse=lse)
+                             max_len=max_len, seqlens=seqlens, block_table=block_table, strides=(strides_k, strides_v),
+                             dot_precision=dot_precision, direction=_direction_build(art_params), block_h=block_h,
+                             out=out, lse=lse)
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
     art_decode_split_kernel[grid](
         q, k_arg, v_arg, table, lengths,
@@ -887,8 +889,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         ART=art is not None, PROBE_OUTPUT=monitor.probe_source == "output",
         PROBE_MMA=monitor.probe_dims == "mma", RELATIVE=monitor.scale == "relative",
         USE_SCALE=monitor.use_scale, USE_DIRECTION=_direction_build(monitor), ART_CHUNK=ART_CHUNK,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
+        DOT_PRECISION=dot_precision, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(num_splits),
         COMBINE_CHUNK=min(max(1, COMBINE_ROWS // block_g), triton.next_power_of_2(num_splits)),
         RAGGED=seqlens is not None, LOADS=loads, PROBE_ROWS=probe_rows,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, DEFERRED=deferred, PAIR_GATES=pair_gates,

@@ -13,7 +13,6 @@ import triton
 
 from .art_params import ARTParams
 from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
-from .paged_cache import kv_strides
 
 MAX_WAVE_STEPS = 128       # the monitor holds [W, D] fp32 tiles: 128 steps at D = 128 take 8 warps
 WAVE_HEADS = 16            # query heads a finishing program writes at once
@@ -32,12 +31,14 @@ def monitor_warps(wave_steps: int, head_dim: int) -> int:
 
 def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, monitor: ARTParams, wave_steps: int,
              block_size: int, order: str, sm_scale: float, kv_heads: int, max_len: int,
-             seqlens: torch.Tensor | None, block_table: torch.Tensor | None, direction: int, block_h: int,
+             seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+             strides: tuple[tuple[int, ...], tuple[int, ...]], dot_precision: str, direction: int, block_h: int,
              out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """The wave over ``q [B, Hq, D]`` and the cache (contiguous ``[B, Hkv, S, D]``, or paged with ``block_table``):
     writes the finished pairs' ``out [B, Hq, D]`` and ``lse [B, Hq]`` and returns ``wave_done [B * Hkv]`` (int32:
     each pair's result steps where the wave finished it, else 0).  ``seqlens``: ``[B]`` lengths where they differ,
-    else every sequence holds ``max_len`` tokens; ``direction``: the monitor's direction build
+    else every sequence holds ``max_len`` tokens; ``strides``: K's and V's (``kernels.paged_cache.kv_strides``);
+    ``dot_precision``: the attend's ``tl.dot`` input precision, the walk's; ``direction``: the monitor's direction build
     (``kernels.art_decode._direction_build``); ``block_h``: the rows of the attend's dot tile
     (``kernels.art_decode.tile_rows``)."""
     batch, q_heads, head_dim = q.shape
@@ -52,14 +53,14 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
     wave_done = torch.empty(pairs, dtype=torch.int32, device=device)
     lengths = wave_done if seqlens is None else seqlens       # a placeholder pointer where the lengths agree
     table = block_table if paged else wave_done
-    strides_k, strides_v = kv_strides(k_cache, paged), kv_strides(v_cache, paged)
+    strides_k, strides_v = strides
     ragged = seqlens is not None
     wave_attend_kernel[(wave_steps, pairs)](
         q, k_cache, v_cache, table, lengths, part_m, part_l, part_acc, sm_scale, kv_heads, max_len, wave_steps,
         q.stride(0), q.stride(1), *strides_k, *strides_v, table.stride(0) if paged else 0,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, SINK_RECENCY=order == "sink_recency", RAGGED=ragged,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WAVE_WARPS, num_stages=1)
+        DOT_PRECISION=dot_precision, num_warps=WAVE_WARPS, num_stages=1)
     wave_monitor_kernel[(pairs, group)](
         part_m, part_l, part_acc, head_done, lengths, sm_scale, float(monitor.tau), float(monitor.phi),
         int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
