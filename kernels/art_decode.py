@@ -163,7 +163,9 @@ over the dense loop (``-loop-hint-plan-ab.json``), the previous plan -> this one
 128 x 8k 0.91x -> **0.68x**, 128 x 32k 0.37x -> **0.27x** (on demand in 6 / 7 / 6 of the 8 steps), 32 x 8k 1.00x
 either way; 128 x 128k 0.096x -> 0.101x, where the one step that took on-demand followers took 0.39 ms against
 0.29 with the previous step's per-pair splits (at 128k those split the long pairs into 128 ranges at once, where
-on-demand followers release 32 after their leaders have walked alone).
+on-demand followers release 32 after their leaders have walked alone).  Before either, where the previous call's walks
+are short and few pairs walk them, the hint's plan takes the wave (*the wave*, below;
+:func:`kernels.split_plan.told_wave_steps`), and the hint records the wave's result steps of the pairs it finished.
 
 **On-demand followers** (``release_walks``; ``benchmarks/NOTES-art-decode.md``, V47).  Not told the walks, a call
 whose pairs fill the GPU takes one split and lasts as long as its longest walk.  With ``release_walks=R`` (and
@@ -395,7 +397,7 @@ cache, and beyond real models' bf16 or fp32 values by many orders of magnitude) 
 the simulator's does not yet (``|v|`` about ``1e19``): every step reads unstable, the walk reads the whole cache and
 returns the dense output; it never stops early.
 
-**The wave (opt-in, ``wave_steps``; ``kernels.art_wave``, NOTES V82).**  A call cannot end before its longest walk
+**The wave (``wave_steps``; ``kernels.art_wave``, NOTES V82, V84).**  A call cannot end before its longest walk
 at the lone pace, however few blocks it reads.  With ``wave_steps=W`` the call first attends the first ``W`` steps
 of every pair at once, one program per step, and recovers the walk's running state after each of them by
 linear-recurrence scans over the steps' partial states (in the frame of the running maximum, as the walk holds it);
@@ -410,7 +412,11 @@ at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 %
 Since V83 its monitor runs at half the warps: the same at B = 1, 6-10 % faster at B = 8-32 (8 x 32k 59.5 -> 55.4 us).
 The wave's monitor is the walk's own step (``_probe_update``) over the scanned states, so its stops agree with the
 simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168 captured).
-No default plan takes it: whether it pays depends on walks that only the data knows.
+Whether it pays depends on walks that only the data knows, so a call not told its walks never takes it; a call told
+each pair's walk (``pair_walks``, or a ``walk_hint``'s) takes the wave of :func:`kernels.split_plan.told_wave_steps`
+(the longest told walk and an eighth more) where that costs fewer lone steps than the longest walk or the dense walk,
+and then plans the walk after it as a call told only the longest (V84: on an H100, B = 1 x 32k / 128k told each walk
+54.4 / 54.8 -> about 22 us; B = 8 x 32k keeps the walk, which the rule costs lower).  ``wave_steps=0`` refuses it.
 
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
 and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths
@@ -439,7 +445,7 @@ from .pair_walks import PairWalks
 from .softmax_scale import softmax_scale
 from .split_plan import (MAX_SPLITS, RESIDENT_AT_THREE_STAGES, TMA_MAX_BLOCK, choose_pair_splits, choose_split_plan,
                          dense_block_size, hint_plan, leader_can_stop, leader_range, longest_first_three_stages,
-                         on_demand_plan, one_wave_dense_splits, planned_result_steps)
+                         on_demand_plan, one_wave_dense_splits, planned_result_steps, told_wave_steps)
 
 ORDERS = ("sequential", "sink_recency")
 HEAD_DIMS = (64, 128)
@@ -479,8 +485,8 @@ class DecodePlan:
         art: the monitor the kernel runs; ``None`` for a dense call, and for a monitored call whose leader cannot
             reach the earliest stop (:func:`kernels.split_plan.leader_can_stop`): that call runs the dense walk.
         monitored: whether the call asked for the monitor (``art`` given).
-        pair_walks: the :class:`kernels.pair_walks.PairWalks` the call was told (directly or by its ``walk_hint``),
-            else ``None``.
+        pair_walks: the :class:`kernels.pair_walks.PairWalks` the call was told (directly or by its ``walk_hint``)
+            and plans its walk by, else ``None`` (also where it took a wave from them).
         pair_threshold: with per-pair splits, the expected walk past which a pair takes every split, else ``None``.
         release_walks, release_step: with on-demand followers, the count of leaders still walking alone below which
             a leader releases its followers, and the step from which it releases them whatever the count (``None``:
@@ -649,12 +655,12 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
             raise ValueError("release_walks releases the followers of monitored walks: it needs art and no "
                              "pair_walks")
     if wave_steps is not None:
-        check_count(wave_steps, "wave_steps", 1, MAX_WAVE_STEPS, unit="blocks")
-        if art is None:
+        check_count(wave_steps, "wave_steps", 0, MAX_WAVE_STEPS, unit="blocks")
+        if wave_steps and art is None:
             raise ValueError("wave_steps evaluates the ART monitor over a wave of steps: it needs art")
-        if pair_walks is not None or release_walks is not None or walk_hint is not None:
-            raise ValueError("wave_steps runs before the plan of a call told no walks: not with pair_walks, "
-                             "release_walks or walk_hint")
+        if wave_steps and (pair_walks is not None or release_walks is not None):
+            raise ValueError("wave_steps runs before the plan of a call told no pair's walk: not with pair_walks or "
+                             "release_walks (a call told its walks takes its own wave, or none, by default)")
     if release_step is not None:
         check_count(release_step, "release_step", 0, MAX_ART_STEPS, unit="blocks")
         if release_walks is None:
@@ -668,16 +674,21 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                                "happen at capture time); pass longest_stop_steps=hint.steps to a captured call")
         hinted = walk_hint.pair_walks
         if (pair_walks is None and longest_stop_steps is None and art is not None and num_splits is None
-                and follow_step is None and release_walks is None and hinted is not None
+                and follow_step is None and release_walks is None and not wave_steps and hinted is not None
                 and tuple(hinted.walks.shape) == (batch, kv_heads) and hinted.walks.device == q.device):
-            planned = hint_plan(hinted, max_steps, head_dim, q.device, art)
+            planned = hint_plan(hinted, max_steps, head_dim, q.device, art, wave=wave_steps is None)
             pair_walks, release_walks = planned.get("pair_walks"), planned.get("release_walks")
+            wave_steps = planned.get("wave_steps", wave_steps)
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if pair_walks is not None:
         _check_pair_walks(pair_walks, batch, kv_heads, q.device, art, num_splits, follow_step)
         if longest_stop_steps is None:
             longest_stop_steps = pair_walks.sorted_walks[-1]
+        if wave_steps is None:   # told each walk: the wave where it pays, then the walk planned for the longest
+            wave_steps = told_wave_steps(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(q.device)) or None
+            if wave_steps:
+                pair_walks = None
     pair_threshold = None
     if num_splits is None and release_walks is not None:
         on_demand_keywords = on_demand_plan(max_steps, q.device, art)
@@ -718,7 +729,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                       monitored=monitored, pair_walks=pair_walks, pair_threshold=pair_threshold,
                       release_walks=release_walks if on_demand else None,
                       release_step=release_step if on_demand else None, dense_plan=dense_plan,
-                      wave_steps=0 if wave_steps is None else min(wave_steps, max_steps))
+                      wave_steps=min(wave_steps or 0, max_steps))
 
 
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -771,12 +782,15 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         walk_hint: a :class:`kernels.walk_hint.LongestWalkHint` of this layer: its latest longest walk is the
             default ``longest_stop_steps``, and where the shapes agree (and neither ``num_splits``, ``follow_step``,
             ``longest_stop_steps`` nor ``release_walks`` is given) its latest walk of each pair plans the call
-            (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the default
-            ``pair_walks``; this call's walks are recorded into it (with ``art``; not inside a CUDA-graph capture).
+            (:func:`kernels.split_plan.hint_plan`): a wave where it pays, else on-demand followers where those walks
+            are lopsided, else the default ``pair_walks``; this call's walks are recorded into it (with ``art``; not
+            inside a CUDA-graph capture; after a wave, the wave's result steps for the pairs it finished).
         pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
             pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
             one split, the pairs expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan`
-            (module docstring, *per-pair splits*).  Not with ``num_splits`` or ``follow_step``.
+            (module docstring, *per-pair splits*); where :func:`kernels.split_plan.told_wave_steps` takes a wave,
+            the call runs it and plans the rest for the longest walk only.  Not with ``num_splits`` or
+            ``follow_step``.
         release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
             each leader walks alone, and past ``follow_step`` (default 0) releases its followers over the rest of
             its walk only once at most this many of the launch's ``B * Hkv`` leaders are still walking alone; a pair
@@ -794,7 +808,10 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
             blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's), with scratch of
             ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128).  Not with
-            ``pair_walks``, ``release_walks`` or ``walk_hint``.  Default: no wave.
+            ``pair_walks`` or ``release_walks``; with ``walk_hint``, the hint's walks plan nothing but the longest.
+            0: no wave.  Default: none, except in a call told each pair's walk (``pair_walks``, or a ``walk_hint``'s
+            where it plans the call), which takes the wave of :func:`kernels.split_plan.told_wave_steps` where that
+            pays (module docstring, *the wave*) and then walks the other pairs as told only the longest walk.
         read_lengths: ``False`` leaves ``cache_seqlens`` and ``block_table`` on the device: no sync (each call
             with lengths otherwise reads their min and max, and on the paged layout checks the pages they use).
             As inside a CUDA-graph capture, their values then go unchecked (keeping them in ``[1, capacity]`` with
@@ -897,7 +914,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, RECORD_KEPT=return_result_steps,
         WAVE=plan.wave_steps > 0, num_warps=num_warps, num_stages=num_stages)
     if walk_hint is not None and plan.monitored:
-        walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand)
+        walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand,
+                         wave=(wave_done.view(batch, kv_heads), plan.wave_blocks) if plan.wave_steps else None)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
         # after a wave: the leader's steps without the wave's blocks, and the wave's result where it finished the pair

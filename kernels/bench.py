@@ -22,11 +22,13 @@ measures:
   on the same inputs, so the split rule takes their longest as ``longest_stop_steps``, and where it then takes one
   split the walks expected to run long take every split of ``kernels.split_plan.choose_pair_plan``:
   ``pair_split_threshold``, ``pair_split_walks``; told each walk, the call also launches the pairs longest
-  first, ``kernels.art_decode``'s *launch order*; a decode loop has only its previous step's walks, which
-  :mod:`kernels.bench_decode_loop` times), and after a wave of ``WAVE_STEPS`` steps (``art_wave``: ``art_decode``'s
-  ``wave_steps``, :mod:`kernels.art_wave`; ``wave_finished_pairs``: the share of pairs whose single walk ends within
-  the wave, which the wave finishes, the others walked after it at the default plan; the wave's blocks count in the
-  loaded fraction and the bound; ``over_art``: its time over the ``art`` row's);
+  first, ``kernels.art_decode``'s *launch order*; where ``kernels.split_plan.told_wave_steps`` takes a wave, the
+  told call runs it (``wave_steps``), then the walk planned for the longest, and its row has no latency floor or walk
+  model; a decode loop has only its previous step's walks, which :mod:`kernels.bench_decode_loop` times), and after
+  a wave of ``WAVE_STEPS`` steps (``art_wave``: ``art_decode``'s ``wave_steps``, :mod:`kernels.art_wave`;
+  ``wave_finished_pairs``: the share of pairs whose single walk ends within the wave, which the wave finishes, the
+  others walked after it at the default plan; the wave's blocks count in the loaded fraction and the bound;
+  ``over_art``: its time over the ``art`` row's);
 * the same on a captured SmolLM2 layer (``D = 64``, ``Hq / Hkv = 9 / 3``) tiled to length;
 * the split study: ART with one split and with the leader scheme over one wave of programs
   (loaded fractions of all programs and of the leader), and the dense kernel over a sweep of
@@ -416,8 +418,8 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
     for impl, hint in (("art", None), ("art_calibrated", pair_walks)):
         plan = plan_decode(q, k, v, art=art, pair_walks=hint)
         _, steps, taken = art_decode(q, k, v, art=art, pair_walks=hint, return_stats=True, return_result_steps=True)
-        walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 else None
-        extras[impl] = dict(num_splits=plan.num_splits, follow_step=plan.follow_step,
+        walks[impl] = steps[..., 0].flatten().tolist() if steps.shape[-1] == 1 and not plan.wave_steps else None
+        extras[impl] = dict(num_splits=plan.num_splits, follow_step=plan.follow_step, wave_steps=plan.wave_steps,
                             loaded_fraction=loaded_fraction(steps, seqlen), monitor_runs=plan.art is not None,
                             leader_steps_mean=float(steps[..., 0].float().mean()),
                             leader_steps_max=int(steps[..., 0].max()),
@@ -461,7 +463,7 @@ def bench_shape(q, k, v, *, data: str, art: ARTParams, rep_ms: int, ceiling: flo
             if "ms_memset_flush" in row and "ms_memset_flush" in dense:
                 row["time_bound_memset_flush_ms"] = time_bound_ms(row["loaded_fraction"], dense["ms_memset_flush"])
                 row["meets_time_bound_memset_flush"] = row["ms_memset_flush"] <= row["time_bound_memset_flush_ms"]
-            if lone_walk is not None:
+            if lone_walk is not None and not row["wave_steps"]:   # a wave's walks are not lone walks
                 row["latency_floor_ms"] = (lone_walk["fixed_us"] + row["leader_steps_max"] * lone_walk["step_us"]) / 1e3
                 row["time_bound_below_latency_floor"] = row["time_bound_ms"] < row["latency_floor_ms"]
                 if walks[row["impl"]] is not None:

@@ -11,8 +11,9 @@ inputs:
 * ``art_dense``: ``art=None`` at its defaults;
 * ``art``: the thresholds at the default split rule (no hint);
 * ``art_previous_step``: the plan that a :class:`kernels.walk_hint.LongestWalkHint` which recorded the previous
-  step's ``art_previous_step`` call gives (:func:`kernels.split_plan.hint_plan`; none at the first step): each
-  pair's walk as ``pair_walks``, or on-demand followers where those walks are lopsided: what a decode loop gets;
+  step's ``art_previous_step`` call gives (:func:`kernels.split_plan.hint_plan`; none at the first step): a wave
+  where :func:`kernels.split_plan.told_wave_steps` takes one, else each pair's walk as ``pair_walks``, or on-demand
+  followers where those walks are lopsided: what a decode loop gets;
 * ``art_calibrated``: ``pair_walks`` from a single-split call on this step's inputs (the best the hint can do);
 * ``art_on_demand``: on-demand followers at :func:`kernels.split_plan.on_demand_plan`'s plan for the length (no hint:
   each leader releases its followers once few walks of the launch are left).
@@ -60,9 +61,9 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
     (:func:`kernels.art_decode.plan_decode`), ``loaded_fraction`` and ``stopped_pairs`` next to
     ``single_stopped_pairs`` (:func:`kernels.bench.stopped_share` of the call's result steps and of the single walks)
     (ART rows), ``pair_walks`` (the ``[B, Hkv]`` walks the call was told, or its hint held, as lists, or None) with
-    their longest, ``longest_stop_steps``, and ``on_demand`` (whether the plan took on-demand followers, then with
-    their ``release_walks``); the on-demand rows instead ``num_splits``, ``follow_step``, ``release_walks``,
-    ``loaded_fraction`` and the stopped shares."""
+    their longest, ``longest_stop_steps``, ``wave_steps`` (the plan's wave, 0 for none), and ``on_demand`` (whether
+    the plan took on-demand followers, then with their ``release_walks``); the on-demand rows instead ``num_splits``,
+    ``follow_step``, ``release_walks``, ``loaded_fraction`` and the stopped shares."""
     hint = LongestWalkHint()
     blocks = math.ceil(seqlen / ART_BLOCK_SIZE)
     on_demand = on_demand_plan(blocks, device, art)
@@ -85,9 +86,10 @@ def decode_loop(path: str | os.PathLike, batch: int, seqlen: int, *, art: ARTPar
                 keywords = dict(plans[impl], walk_hint=hint if impl == "art_previous_step" else None)
                 plan = plan_decode(q, k, v, art=art, **keywords)       # before the call records into the hint
                 _, steps, taken = art_decode(q, k, v, art=art, return_stats=True, return_result_steps=True, **keywords)
-                told = hinted if impl == "art_previous_step" else plan.pair_walks
+                told = hinted if impl == "art_previous_step" else plans[impl].get("pair_walks")
                 row.update(longest_stop_steps=None if told is None else told.sorted_walks[-1],
-                           pair_walks=None if told is None else told.walks.tolist(), num_splits=plan.num_splits,
+                           pair_walks=None if told is None else told.walks.tolist(), wave_steps=plan.wave_steps,
+                           num_splits=plan.num_splits,
                            on_demand=plan.on_demand, follow_step=plan.follow_step,
                            pair_split_threshold=plan.pair_threshold, loaded_fraction=loaded_fraction(steps, seqlen),
                            stopped_pairs=stopped_share(taken, blocks), single_stopped_pairs=single_stopped)

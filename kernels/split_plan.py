@@ -26,6 +26,7 @@ import functools
 import torch
 
 from .art_params import ARTParams
+from .art_wave import MAX_WAVE_STEPS
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
 from .walk_model import shared_bandwidth_steps
@@ -62,6 +63,13 @@ DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
 PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
 PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
 PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
+# the wave a told call takes (told_wave_steps): its launches and evaluation, in lone steps beyond a walk's own fixed
+# time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V84: the
+# wave's CUDA-graph times at 8-256 pairs x 48-128 steps, NOTES V83 -wave-monitor-warps-ab-h100.json)
+WAVE_EXTRA_LONE_STEPS = {64: 11.0, 128: 10.0}
+WAVE_BLOCKS_PER_LONE_STEP = {64: 1.08, 128: 0.61}
+WAVE_WALK_MARGIN = 8        # a told wave is the longest told walk and an eighth more (walks vary call to call), ...
+WAVE_STEP_MULTIPLE = 8      # ... rounded up to a multiple of 8 steps
 
 
 def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
@@ -320,17 +328,47 @@ def _cheapest_pair_plan(sorted_walks: tuple, max_steps: int, head_dim: int,
     return best, best_cost
 
 
-def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, art: ARTParams) -> dict:
+def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, art: ARTParams,
+              wave: bool = True) -> dict:
     """The keywords that a call of ``pair_walks``' ``[B, Hkv]`` pairs takes from a ``walk_hint`` whose latest walks
     are ``pair_walks`` (a :class:`kernels.pair_walks.PairWalks`; ``kernels.art_decode``'s docstring, *the hint's plan*):
-    ``{"release_walks": R}`` of :func:`on_demand_plan` where :func:`pair_plan` would split the pairs expected to walk
-    long and the dense walk would not end before that plan does (:func:`dense_walk_ends_first`), else
-    ``{"pair_walks": pair_walks}``."""
+    with ``wave``, ``{"wave_steps": W}`` where :func:`told_wave_steps` takes a wave; else ``{"release_walks": R}`` of
+    :func:`on_demand_plan` where :func:`pair_plan` would split the pairs expected to walk long and the dense walk would
+    not end before that plan does (:func:`dense_walk_ends_first`), else ``{"pair_walks": pair_walks}``."""
     batch, kv_heads = pair_walks.walks.shape
+    wave_steps = told_wave_steps(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(device)) if wave else 0
+    if wave_steps:
+        return {"wave_steps": wave_steps}
     (num_splits, _), cost = cheapest_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(device))
     if num_splits > 1 and not dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, cost):
         return {"release_walks": on_demand_plan(max_steps, device, art)["release_walks"]}
     return {"pair_walks": pair_walks}
+
+
+def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> int:
+    """The wave (``art_decode``'s ``wave_steps``, :mod:`kernels.art_wave`) that a call told its pairs' walks
+    ``sorted_walks`` (blocks, ascending, one per pair; walks of at most ``max_steps`` blocks) takes on ``sms``
+    multiprocessors, or 0 for none.
+
+    The wave is the longest told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps
+    (at most ``MAX_WAVE_STEPS``; a longer walk takes none).  It is taken where it costs fewer lone monitored steps than
+    the walk could take at best: its reads of ``min(W, max_steps)`` blocks per pair at ``WAVE_BLOCKS_PER_LONE_STEP``
+    per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone pace or the dense walk
+    of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is neither shorter than
+    its longest walk nor faster than the dense pace).  So it pays where few pairs walk long: the wave reads their
+    blocks at once.  H100 (V84), ``ARTConfig()``, synthetic caches, W = 48: B = 1 x 32k / 128k (8 pairs) costed at
+    14.8 lone steps against 25.9 (the dense walk) / 36 (the longest walk): 22.3 / 22.1 us against the told call's
+    54.4 / 54.8; B = 8 x 32k (64 pairs) at 48 against 42: none (the wave took 55.4 us, the told call 62.7: the rule
+    errs towards the walk where the two are close); B = 1 x 8k: none (the dense walk, 6.5 lone steps)."""
+    longest = int(sorted_walks[-1])
+    steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
+    if steps > MAX_WAVE_STEPS:
+        return 0
+    pairs = len(sorted_walks)
+    wave_cost = WAVE_EXTRA_LONE_STEPS[head_dim] + pairs * min(steps, max_steps) / (
+        WAVE_BLOCKS_PER_LONE_STEP[head_dim] * sms)
+    walk_cost = min(longest, pairs * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms))
+    return min(steps, max_steps) if wave_cost < walk_cost else 0
 
 
 def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:

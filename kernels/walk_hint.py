@@ -88,11 +88,12 @@ class LongestWalkHint:
         self._pair_walks = pair_walks
         self._steps = pair_walks.sorted_walks[-1]
 
-    def record(self, steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False) -> None:
+    def record(self, steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False,
+               wave: tuple[torch.Tensor, int | torch.Tensor] | None = None) -> None:
         """Take the walks of a call's ``steps [B, Hkv, splits]`` (int32, ``return_stats``) made with ``follow_step``
-        (``art_decode``'s, 0 without deferred followers) and, with ``on_demand``, on-demand followers
-        (:func:`pair_walk_lengths`).  On a CUDA device the reduction and a non-blocking copy to pinned memory are
-        queued on the current stream; on the CPU the value is taken at once.  Not inside a CUDA-graph capture (a
+        (``art_decode``'s, 0 without deferred followers), with ``on_demand``, on-demand followers, and after a wave
+        ``wave`` (:func:`pair_walk_lengths`).  On a CUDA device the reduction and a non-blocking copy to pinned memory
+        are queued on the current stream; on the CPU the value is taken at once.  Not inside a CUDA-graph capture (a
         replay would not record).  Stats that give a pair a walk of no block (negative or all-zero counts: not a
         call's) raise ``ValueError`` when the values are taken: here on the CPU, else at the first read of
         :attr:`steps` or :attr:`pair_walks` after the copy has landed (which drops that record)."""
@@ -101,7 +102,7 @@ class LongestWalkHint:
                          else type(steps).__name__)
             raise ValueError(f"steps must be art_decode's return_stats tensor [B, Hkv, splits] int32, got {described}")
         check_count(follow_step, "follow_step", 0)
-        walks = pair_walk_lengths(steps, follow_step, on_demand)
+        walks = pair_walk_lengths(steps, follow_step, on_demand, wave)
         if steps.device.type != "cuda":
             self._pending.clear()
             self._set(walks, walks)
@@ -117,18 +118,31 @@ class LongestWalkHint:
         self._pending.append((walks, host, order, landed))
 
 
-def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False) -> torch.Tensor:
+def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0, on_demand: bool = False,
+                      wave: tuple[torch.Tensor, int | torch.Tensor] | None = None) -> torch.Tensor:
     """Each ``(b, kv_head)``'s walk (``[B, Hkv]`` int32 on ``steps``' device) of a call's ``steps [B, Hkv, splits]``
     made with ``follow_step``, counted as :class:`LongestWalkHint` describes.  A call with per-pair splits counts the
     same way: a pair walked alone has its whole walk in its leader's range.  A call with on-demand followers
     (``on_demand``) counts each pair's blocks, all its programs' together: a pair whose followers were never released
     loaded its walk in its leader alone, and a released pair's count (the whole walk where its leader ran past its
-    share) is at least its walk from the release on, whose length its steps do not tell."""
+    share) is at least its walk from the release on, whose length its steps do not tell.
+
+    After a wave (``art_decode``'s ``wave_steps``), ``wave`` is ``(wave_result [B, Hkv], wave_blocks)``: each pair's
+    result steps where the wave finished it (its walk), else 0, and the blocks of each walk the wave read (an int, or
+    ``[B, 1]``), which every leader's ``steps`` count before its own walk; the other pairs count as above."""
+    if wave is not None:
+        wave_result, wave_blocks = wave
+        steps = torch.cat([steps[..., :1] - torch.as_tensor(wave_blocks, dtype=steps.dtype, device=steps.device)
+                           .reshape(-1, 1, 1), steps[..., 1:]], dim=-1)
     total = steps.sum(-1, dtype=torch.int32)
     if on_demand:
-        return total.contiguous()
-    leader = steps[..., 0]
-    return torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader).contiguous()
+        walks = total
+    else:
+        leader = steps[..., 0]
+        walks = torch.where(leader == leader_range(total, steps.shape[-1], follow_step), total, leader)
+    if wave is not None:
+        walks = torch.where(wave_result > 0, wave_result, walks)
+    return walks.contiguous()
 
 
 def longest_walk(steps: torch.Tensor, follow_step: int = 0) -> torch.Tensor:

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import kernels.art_decode as art_decode_module
+import kernels.split_plan as split_plan_module
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode, plan_decode
 from kernels.art_wave import MAX_WAVE_STEPS
 from kernels.pair_walks import PairWalks
 from kernels.paged_cache import to_paged
+from kernels.split_plan import hint_plan, told_wave_steps
 from kernels.walk_hint import LongestWalkHint
 from test_art_decode import (ART_CONFIGS, CPU, assert_paged_agrees, assert_stop_agreement, assert_within_flash_oracle,
                              captured_inputs, compare_stop_steps, simulator_stop, synthetic_inputs)
@@ -172,17 +174,107 @@ def test_a_dense_walk_after_the_wave_keeps_the_wave_results():
 def test_bad_wave_steps_are_refused_with_the_reason():
     q, k, v = synthetic_inputs(1, 4, 2, 256, 64, torch.float16, CPU)
     params = LOOSE.kernel_params()
-    for value in (0, MAX_WAVE_STEPS + 1, 2.0, True, "8"):
+    for value in (-1, MAX_WAVE_STEPS + 1, 2.0, True, "8"):
         with pytest.raises((ValueError, TypeError), match="wave_steps"):
             art_decode(q, k, v, art=params, wave_steps=value)
     with pytest.raises(ValueError, match="needs art"):
         art_decode(q, k, v, wave_steps=4)
     told = PairWalks.from_walks(torch.full((1, 2), 3))
-    for keywords in (dict(pair_walks=told), dict(release_walks=4), dict(walk_hint=LongestWalkHint())):
-        with pytest.raises(ValueError, match="not with pair_walks, release_walks or walk_hint"):
+    for keywords in (dict(pair_walks=told), dict(release_walks=4)):
+        with pytest.raises(ValueError, match="not with pair_walks or release_walks"):
             art_decode(q, k, v, art=params, wave_steps=4, **keywords)
-    # a wave past the walk's blocks is the whole walk
+    # a wave past the walk's blocks is the whole walk; 0 is none, also for a call told its walks
     assert plan_decode(q, k, v, art=params, wave_steps=MAX_WAVE_STEPS).wave_steps == 4
+    assert plan_decode(q, k, v, wave_steps=0).wave_steps == 0
+    assert plan_decode(q, k, v, art=params, pair_walks=told, wave_steps=0).pair_walks is told
+
+
+def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_the_walk():
+    """The told wave's rule on the H100's 132 multiprocessors (``told_wave_steps``' docstring): few pairs of long
+    walks take it, a short cache (the dense walk is cheaper), many pairs and walks past ``MAX_WAVE_STEPS`` do not."""
+    one_at_32k = [36, 37, 38, 39, 40, 40, 41, 42]
+    assert told_wave_steps(one_at_32k, 512, 128, 132) == 48          # 42 + 5 + 1, rounded up to 8
+    assert told_wave_steps(one_at_32k, 2048, 128, 132) == 48
+    assert told_wave_steps(one_at_32k, 128, 128, 132) == 0           # 8k: the dense walk ends first
+    assert told_wave_steps(one_at_32k * 8, 512, 128, 132) == 0       # 64 pairs: the wave's reads cost more
+    assert told_wave_steps([17] * 24, 512, 64, 132) == 24            # 17 + 2 + 1
+    assert told_wave_steps([5] * 24, 512, 64, 132) == 0              # shorter walks than the wave's fixed cost
+    assert told_wave_steps([120] * 8, 4096, 128, 132) == 0           # a wave past MAX_WAVE_STEPS
+    # the same walks on fewer multiprocessors read longer: the wave stops paying
+    assert told_wave_steps(one_at_32k, 512, 128, 16) == 0
+
+
+def _told_wave(monkeypatch, steps):
+    """Every told call takes a wave of ``steps`` (the launcher's and the hint plan's rule replaced: on the CPU's one
+    "multiprocessor" the wave never pays)."""
+    monkeypatch.setattr(art_decode_module, "told_wave_steps", lambda *args: steps)
+    monkeypatch.setattr(split_plan_module, "told_wave_steps", lambda *args: steps)
+
+
+def test_a_call_told_its_walks_runs_the_wave_its_rule_takes_then_the_walk_planned_for_the_longest(monkeypatch):
+    q, k, v = synthetic_inputs(3, 8, 2, 3000, 64, torch.float32, CPU, seed=3)
+    params = LOOSE.kernel_params()
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1][..., 0]
+    told = PairWalks.from_walks(walks)
+    wave_steps = int(walks.float().median())
+    _told_wave(monkeypatch, wave_steps)
+    plan = plan_decode(q, k, v, art=params, pair_walks=told)
+    assert plan.wave_steps == wave_steps and plan.pair_walks is None and not plan.longest_first
+    longest = plan_decode(q, k, v, art=params, longest_stop_steps=told.sorted_walks[-1], wave_steps=wave_steps)
+    assert plan == longest
+    waved = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True,
+                       return_result_steps=True)
+    explicit = art_decode(q, k, v, art=params, longest_stop_steps=told.sorted_walks[-1], wave_steps=wave_steps,
+                          return_lse=True, return_stats=True, return_result_steps=True)
+    for a, b in zip(waved, explicit):
+        assert torch.equal(a, b)
+    finished = walks <= wave_steps
+    assert finished.any() and not finished.all()
+    assert torch.equal(waved[3][finished], walks[finished])
+    # wave_steps=0 keeps the told plan without a wave
+    unwaved = plan_decode(q, k, v, art=params, pair_walks=told, wave_steps=0)
+    assert unwaved.wave_steps == 0 and unwaved.pair_walks is told
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_walk_hint_records_each_pairs_walk_after_a_wave(num_splits):
+    """The hint counts a pair the wave finished by its result steps, and any other by its walk after the wave (the
+    leader's steps less the wave's blocks), as it counts a call without a wave."""
+    q, k, v = synthetic_inputs(3, 8, 2, 3000, 64, torch.float32, CPU, seed=3)
+    params = LOOSE.kernel_params()
+    walks = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=0, return_stats=True)[1]
+    plain = LongestWalkHint()
+    plain.record(walks)
+    wave_steps = int(walks[..., 0].float().median())
+    hint = LongestWalkHint()
+    _, result = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=0, wave_steps=wave_steps,
+                           walk_hint=hint, return_result_steps=True)
+    finished = result <= wave_steps
+    assert finished.any() and not finished.all()
+    assert torch.equal(hint.pair_walks.walks, torch.where(finished, result, plain.pair_walks.walks))
+    if num_splits == 1:
+        assert torch.equal(hint.pair_walks.walks, walks[..., 0])
+
+
+def test_a_hinted_call_takes_the_wave_of_its_hint_plan_and_records_for_the_next(monkeypatch):
+    q, k, v = synthetic_inputs(3, 8, 2, 3000, 64, torch.float32, CPU, seed=3)
+    params = LOOSE.kernel_params()
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1]
+    hint = LongestWalkHint()
+    hint.record(walks)
+    wave_steps = int(walks[..., 0].max())        # every pair stops within it
+    _told_wave(monkeypatch, wave_steps)
+    assert hint_plan(hint.pair_walks, 47, 64, CPU, params) == {"wave_steps": wave_steps}
+    assert hint_plan(hint.pair_walks, 47, 64, CPU, params, wave=False) == {"pair_walks": hint.pair_walks}
+    plan = plan_decode(q, k, v, art=params, walk_hint=hint)
+    assert plan.wave_steps == wave_steps and plan.pair_walks is None
+    out, result = art_decode(q, k, v, art=params, walk_hint=hint, return_result_steps=True)
+    assert torch.equal(result, walks[..., 0])
+    assert torch.equal(hint.pair_walks.walks, walks[..., 0])
+    assert torch.equal(out, art_decode(q, k, v, art=params, longest_stop_steps=int(walks.max()),
+                                       wave_steps=wave_steps))
+    # a caller's wave_steps=0 leaves the hint's plan without one
+    assert plan_decode(q, k, v, art=params, walk_hint=hint, wave_steps=0).wave_steps == 0
 
 
 def _cuda():
