@@ -415,8 +415,9 @@ simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two
 Whether it pays depends on walks that only the data knows, so a call not told its walks never takes it; a call told
 each pair's walk (``pair_walks``, or a ``walk_hint``'s) takes the wave of :func:`kernels.split_plan.told_wave_steps`
 (the longest told walk and an eighth more) where that costs fewer lone steps than the longest walk or the dense walk,
-and then plans the walk after it as a call told only the longest (V84: on an H100, B = 1 x 32k / 128k told each walk
-54.4 / 54.8 -> about 22 us; B = 8 x 32k keeps the walk, which the rule costs lower).  ``wave_steps=0`` refuses it.
+and then plans the walk after it as a call told only the longest (V84, ``-told-wave-ab-h100.json``: on an H100,
+synthetic B = 1 / 2 / 4 x 32k told each walk 54.3 / 61.2 / 61.9 -> 22.2 / 26.8 / 35.6 us, the SmolLM2 layer at
+1 x 128k 44.5 -> 19.5; no wave at 8k, where the dense walk ends first, nor at B = 16).  ``wave_steps=0`` refuses it.
 
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
 and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths

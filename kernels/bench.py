@@ -859,6 +859,9 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
         "art_calibrated_rows_with_pair_splits": sum("pair_split_threshold" in r for r in calibrated_rows),
         "art_calibrated_rows_meeting_time_bound_with_pair_splits": sum(
             r["meets_time_bound"] and "pair_split_threshold" in r for r in calibrated_rows),
+        "art_calibrated_rows_with_wave": sum(r.get("wave_steps", 0) > 0 for r in calibrated_rows),
+        "art_calibrated_rows_meeting_time_bound_with_wave": sum(
+            r["meets_time_bound"] and r.get("wave_steps", 0) > 0 for r in calibrated_rows),
         "art_rows_meeting_time_bound_memset_flush": sum(r.get("meets_time_bound_memset_flush", False)
                                                         for r in art_rows),
         "art_calibrated_rows_meeting_time_bound_memset_flush": sum(

@@ -63,11 +63,12 @@ DENSE_BLOCKS_PER_LONE_STEP = {64: 1.9, 128: 1.2}
 PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this much of the single walks (V44)
 PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
 PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
-# the wave a told call takes (told_wave_steps): its launches and evaluation, in lone steps beyond a walk's own fixed
-# time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V84: the
-# wave's CUDA-graph times at 8-256 pairs x 48-128 steps, NOTES V83 -wave-monitor-warps-ab-h100.json)
-WAVE_EXTRA_LONE_STEPS = {64: 11.0, 128: 10.0}
-WAVE_BLOCKS_PER_LONE_STEP = {64: 1.08, 128: 0.61}
+# the wave a told call takes (told_wave_steps): its launches and evaluation, in lone steps beyond a told walk's own
+# fixed time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V84,
+# -told-wave-ab-h100.json: the wave took 14.5 / 17 lone steps and a block per 0.65 / 1.17 per multiprocessor at
+# D = 128 / 64, the told walk about 10.5 lone steps more than its longest walk or dense walk)
+WAVE_EXTRA_LONE_STEPS = {64: 6.5, 128: 4.0}
+WAVE_BLOCKS_PER_LONE_STEP = {64: 1.17, 128: 0.65}
 WAVE_WALK_MARGIN = 8        # a told wave is the longest told walk and an eighth more (walks vary call to call), ...
 WAVE_STEP_MULTIPLE = 8      # ... rounded up to a multiple of 8 steps
 
@@ -356,10 +357,13 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone pace or the dense walk
     of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is neither shorter than
     its longest walk nor faster than the dense pace).  So it pays where few pairs walk long: the wave reads their
-    blocks at once.  H100 (V84), ``ARTConfig()``, synthetic caches, W = 48: B = 1 x 32k / 128k (8 pairs) costed at
-    14.8 lone steps against 25.9 (the dense walk) / 36 (the longest walk): 22.3 / 22.1 us against the told call's
-    54.4 / 54.8; B = 8 x 32k (64 pairs) at 48 against 42: none (the wave took 55.4 us, the told call 62.7: the rule
-    errs towards the walk where the two are close); B = 1 x 8k: none (the dense walk, 6.5 lone steps)."""
+    blocks at once.  H100 (V84, ``-told-wave-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 / 4 x 32k
+    told each walk took 22.2 / 26.8 / 35.6 us with the wave against 54.3 / 61.2 / 61.9 without it (the same at
+    128k), the 64-dim cache (9 / 3 heads) at B = 8 x 32k 22.8 against 47.3 and the SmolLM2 layer at 1 x 128k (walks
+    of up to 63 blocks, a wave of 72) 19.5 against 44.5; no wave at 8k (the dense walk ends first), at B = 16 or where
+    the walks outrun ``MAX_WAVE_STEPS`` (the SmolLM2 layer at B >= 8).  Refitted to that run, the rule takes the
+    faster of the two in 18 of its 21 shapes; the three others are close calls that it leaves to the walk (the wave
+    faster by 2 %, 6 % and, at the 64-dim B = 1 x 32k, 20 %: 16.6 against 19.8 us)."""
     longest = int(sorted_walks[-1])
     steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
     if steps > MAX_WAVE_STEPS:

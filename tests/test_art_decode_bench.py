@@ -248,10 +248,15 @@ def test_summary_checks_the_targets_on_the_rows():
     rows[10]["time_bound_below_latency_floor"] = True                 # meets it: not counted
     rows.append(row("art_calibrated", 0.1, meets_time_bound=True, longest_stop_steps=40))
     rows.append(row("art_calibrated", 0.1, batch=128, meets_time_bound=False, longest_stop_steps=90,
-                    pair_split_threshold=60))
+                    pair_split_threshold=60, wave_steps=0))
     summary = summarise(rows, 4.2, {"synthetic": {"step_us": 1.3, "fixed_us": 4.0}})
     assert summary["art_calibrated_rows_with_pair_splits"] == 1
     assert summary["art_calibrated_rows_meeting_time_bound_with_pair_splits"] == 0
+    assert summary["art_calibrated_rows_with_wave"] == 0
+    rows[-2]["wave_steps"] = 48                                       # the told row that meets its bound took a wave
+    summary = summarise(rows, 4.2, {"synthetic": {"step_us": 1.3, "fixed_us": 4.0}})
+    assert summary["art_calibrated_rows_with_wave"] == 1
+    assert summary["art_calibrated_rows_meeting_time_bound_with_wave"] == 1
     assert summary["art_rows_missing_time_bound_below_latency_floor"] == 1
     assert summary["lone_walk_step_us_synthetic"] == 1.3
     assert summary["art_calibrated_rows_meeting_time_bound"] == 1 and summary["art_calibrated_rows"] == 2
