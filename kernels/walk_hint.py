@@ -17,10 +17,13 @@ the calibrated split count in 7 of 8 and the loop ran at 0.79x the dense loop's 
     out = art_decode(q, k, v, art=art, walk_hint=hints[layer])
 
 ``art_decode`` takes the hint's latest walk as ``longest_stop_steps``, and plans the call from its latest walk of
-each pair (:func:`kernels.split_plan.hint_plan`): on-demand followers where those walks are lopsided, else the walks
+each pair (:func:`kernels.split_plan.hint_plan`): the wave where few pairs walk short (:mod:`kernels.art_wave`,
+:func:`kernels.split_plan.told_wave_steps`), else on-demand followers where those walks are lopsided, else the walks
 as ``pair_walks`` (per-pair splits where the pairs fill the GPU: :mod:`kernels.pair_walks`); it records the call's
 walks into it (by hand: ``**hint_plan(hint.pair_walks, ...)``, then ``hint.record(steps, follow_step=...,
-on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand).
+on_demand=...)`` with the call's ``return_stats``, follow step and whether it released on demand, and after a wave
+``wave=(result_steps, plan.wave_blocks)`` with its ``return_result_steps`` and :func:`kernels.art_decode.plan_decode`'s
+plan).
 :meth:`LongestWalkHint.record` reduces the call's ``steps`` to each pair's walk on the device and copies those
 ``B * Hkv`` numbers to pinned host memory without blocking; :attr:`LongestWalkHint.steps` and
 :attr:`LongestWalkHint.pair_walks` take the latest record whose copy has landed (event queries, never a wait) and
@@ -128,8 +131,9 @@ def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0, on_demand: bool
     share) is at least its walk from the release on, whose length its steps do not tell.
 
     After a wave (``art_decode``'s ``wave_steps``), ``wave`` is ``(wave_result [B, Hkv], wave_blocks)``: each pair's
-    result steps where the wave finished it (its walk), else 0, and the blocks of each walk the wave read (an int, or
-    ``[B, 1]``), which every leader's ``steps`` count before its own walk; the other pairs count as above."""
+    result steps where the wave finished it (its walk), else 0, and the blocks of each walk
+    the wave read (an int, or ``[B, 1]``), which every leader's ``steps`` count before its own walk; the other pairs
+    count as above.  ``wave_result`` may also be the call's ``return_result_steps``: every pair then counts by those."""
     if wave is not None:
         wave_result, wave_blocks = wave
         steps = torch.cat([steps[..., :1] - torch.as_tensor(wave_blocks, dtype=steps.dtype, device=steps.device)

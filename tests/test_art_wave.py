@@ -247,13 +247,18 @@ def test_a_walk_hint_records_each_pairs_walk_after_a_wave(num_splits):
     plain.record(walks)
     wave_steps = int(walks[..., 0].float().median())
     hint = LongestWalkHint()
-    _, result = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=0, wave_steps=wave_steps,
-                           walk_hint=hint, return_result_steps=True)
+    _, steps, result = art_decode(q, k, v, art=params, num_splits=num_splits, follow_step=0, wave_steps=wave_steps,
+                                  walk_hint=hint, return_stats=True, return_result_steps=True)
     finished = result <= wave_steps
     assert finished.any() and not finished.all()
     assert torch.equal(hint.pair_walks.walks, torch.where(finished, result, plain.pair_walks.walks))
     if num_splits == 1:
         assert torch.equal(hint.pair_walks.walks, walks[..., 0])
+    # by hand: the call's result steps stand for the wave's
+    by_hand = LongestWalkHint()
+    plan = plan_decode(q, k, v, art=params, num_splits=num_splits, follow_step=0, wave_steps=wave_steps)
+    by_hand.record(steps, wave=(result, plan.wave_blocks))
+    assert torch.equal(by_hand.pair_walks.walks, hint.pair_walks.walks)
 
 
 def test_a_hinted_call_takes_the_wave_of_its_hint_plan_and_records_for_the_next(monkeypatch):
