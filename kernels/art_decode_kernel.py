@@ -93,6 +93,16 @@ DIRECTION_GUARDED = tl.constexpr(2)   # ... in, for phi = 0 or phi > 1
 
 
 @triton.jit
+def _sequence_length(seqlens_ptr, b, uniform_len, RAGGED: tl.constexpr):
+    """Sequence ``b``'s tokens (int64): ``seqlens_ptr[b]`` where the lengths differ, else ``uniform_len``."""
+    if RAGGED:
+        seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
+    else:
+        seqlen = uniform_len.to(tl.int64)
+    return seqlen
+
+
+@triton.jit
 def _step_block(step, num_blocks, SINK_RECENCY: tl.constexpr):
     """The block that traversal step ``step`` visits: ``step`` in sequential order; under ``sink_recency`` block 0,
     then ``num_blocks - step`` (the newest first)."""
@@ -643,10 +653,7 @@ def art_decode_split_kernel(
     score_log2 = sm_scale * 1.4426950408889634
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
-    if RAGGED:
-        seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
-    else:
-        seqlen = uniform_len.to(tl.int64)
+    seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     # page descriptors read a page's slots past the length: the step that holds them runs apart (_tail_step)
     PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"

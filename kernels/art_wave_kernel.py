@@ -43,21 +43,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .art_decode_kernel import _attend_block, _probe_update, _step_tiles
+from .art_decode_kernel import _attend_block, _probe_update, _sequence_length, _step_tiles
 
 # integer arguments compiled as plain values (as art_decode_split_kernel's UNSPECIALISED_INTS): the thresholds and
 # the length
 WAVE_UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len")
-
-
-@triton.jit
-def _sequence_length(seqlens_ptr, b, uniform_len, RAGGED: tl.constexpr):
-    """Sequence ``b``'s tokens (int64): ``seqlens_ptr[b]`` where the lengths differ, else ``uniform_len``."""
-    if RAGGED:
-        seqlen = tl.load(seqlens_ptr + b).to(tl.int64)
-    else:
-        seqlen = uniform_len.to(tl.int64)
-    return seqlen
 
 
 @triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
