@@ -363,7 +363,10 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     of up to 63 blocks, a wave of 72) 19.5 against 44.5; no wave at 8k (the dense walk ends first), at B = 16 or where
     the walks outrun ``MAX_WAVE_STEPS`` (the SmolLM2 layer at B >= 8).  Refitted to that run, the rule takes the
     faster of the two in 18 of its 21 shapes; the three others are close calls that it leaves to the walk (the wave
-    faster by 2 %, 6 % and, at the 64-dim B = 1 x 32k, 20 %: 16.6 against 19.8 us)."""
+    faster by 2 %, 6 % and, at the 64-dim B = 1 x 32k, 20 %: 16.6 against 19.8 us).  On 13 shapes the fit did not see
+    (``-told-wave-validation-h100.json``: B = 2-16 at 16k and 64k) it took the faster in 12 (the other 2.7 % slower),
+    e.g. B = 3 x 64k 62.3 -> 33.2 us, the 64-dim cache at 4 x 64k 77.1 -> 20.2, the SmolLM2 layer at 2 x 64k (a
+    wave of 96) 43.6 -> 21.3."""
     longest = int(sorted_walks[-1])
     steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
     if steps > MAX_WAVE_STEPS:
