@@ -679,7 +679,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                 and tuple(hinted.walks.shape) == (batch, kv_heads) and hinted.walks.device == q.device):
             planned = hint_plan(hinted, max_steps, head_dim, q.device, art, wave=wave_steps is None)
             pair_walks, release_walks = planned.get("pair_walks"), planned.get("release_walks")
-            wave_steps = planned.get("wave_steps", wave_steps)
+            wave_steps = planned.get("wave_steps", 0)   # hint_plan has decided the told wave
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if pair_walks is not None:

@@ -374,7 +374,7 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     pairs = len(sorted_walks)
     wave_cost = WAVE_EXTRA_LONE_STEPS[head_dim] + pairs * min(steps, max_steps) / (
         WAVE_BLOCKS_PER_LONE_STEP[head_dim] * sms)
-    walk_cost = min(longest, pairs * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms))
+    walk_cost = min(longest, dense_lone_steps(pairs, max_steps, head_dim, sms))
     return min(steps, max_steps) if wave_cost < walk_cost else 0
 
 
@@ -414,8 +414,13 @@ def dense_walk_ends_first(batch: int, kv_heads: int, max_steps: int, head_dim: i
     B = 1 x 128k at D = 128, 104 lone steps, 124 us, against 127.6 measured; B = 8 x 32k 207 steps, 246 us
     (245.7); the SmolLM2 layer at B = 32 x 8k, 49 steps, 46 us (55.4) and at 32k 196 steps, 182 us (193.0).
     (The rule's earlier estimate, a multiprocessor's blocks over two, read 63 steps for B = 1 x 128k.)"""
-    dense_steps = batch * kv_heads * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * _num_sms(device))
-    return dense_steps <= lone_steps
+    return dense_lone_steps(batch * kv_heads, max_steps, head_dim, _num_sms(device)) <= lone_steps
+
+
+def dense_lone_steps(pairs: int, max_steps: int, head_dim: int, sms: int) -> float:
+    """The lone monitored steps in which the split-K dense walk reads ``pairs`` walks of ``max_steps`` 64-token blocks
+    on ``sms`` multiprocessors, at ``DENSE_BLOCKS_PER_LONE_STEP[head_dim]`` blocks per multiprocessor per step."""
+    return pairs * max_steps / (DENSE_BLOCKS_PER_LONE_STEP[head_dim] * sms)
 
 
 def leader_can_stop(max_steps: int, num_splits: int, art: ARTParams, follow_step: int = 0) -> bool:
