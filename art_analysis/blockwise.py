@@ -133,7 +133,8 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
     block_tokens = torch.where(block_ids >= 0,
                                (seqlens[:, None, None].long() - block_start).clamp(max=block_size), 0)
     run = _exact if mode == "exact" else _kernel
-    state = run(q, k, v, block_ids, seqlens, block_size, sm_scale)
+    # A block past the cache is its one block: walked as S tokens, not padded to block_size (which may be huge).
+    state = run(q, k, v, block_ids, seqlens, min(block_size, seqlen), sm_scale)
     return BlockTrace(**state, block_ids=block_ids, block_tokens=block_tokens,
                       num_steps=(block_ids >= 0).sum(-1).amax(-1), block_size=block_size,
                       sm_scale=sm_scale, mode=mode)

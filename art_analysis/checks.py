@@ -79,11 +79,15 @@ def check_block_size(block_size) -> int:
 
 
 def check_float_tensor(t, name: str, layout: str) -> None:
-    """``t`` must be a floating-point ``torch.Tensor`` (``layout`` names its expected shape)."""
+    """``t`` must be a floating-point ``torch.Tensor`` (``layout`` names its expected shape) that holds values: a
+    meta tensor (a shape without data) is refused, since every check and result after this one reads values."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device (a shape without values); the simulator and the analyses "
+                         "compute from the values: pass a tensor on 'cpu' or 'cuda'")
 
 
 def check_kv_cache(k, v) -> None:

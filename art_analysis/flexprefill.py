@@ -164,11 +164,13 @@ def js_distance(p: torch.Tensor, q: torch.Tensor, eps: float | None = DEFAULT_JS
 
 
 def block_sum(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[..., N] -> [..., ceil(N / bs)]``: sums over consecutive blocks (last one partial)."""
+    """``[..., N] -> [..., ceil(N / bs)]``: sums over consecutive blocks (last one partial; a block past ``N`` is the
+    one block of ``N`` values, not padded to ``bs``)."""
     n = x.shape[-1]
     nb = -(-n // block_size)
-    padded = torch.nn.functional.pad(x, (0, nb * block_size - n))
-    return padded.unflatten(-1, (nb, block_size)).sum(dim=-1)
+    tile = min(block_size, n)
+    padded = torch.nn.functional.pad(x, (0, nb * tile - n))
+    return padded.unflatten(-1, (nb, tile)).sum(dim=-1)
 
 
 def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:

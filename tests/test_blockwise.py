@@ -220,6 +220,9 @@ def test_sm_scale_is_applied():
     (dict(selection=torch.zeros(1, 2, 4, dtype=torch.bool)), ValueError, "at least one block"),
     (dict(selection=torch.ones(1, 2, 4, dtype=torch.bool, device="meta")), ValueError,
      "selection must be on k's device cpu, got meta"),
+    (dict(q=torch.randn(1, 4, 8, device="meta")), ValueError, "q is on the meta device"),
+    (dict(k=torch.randn(1, 2, 64, 8, device="meta"), v=torch.randn(1, 2, 64, 8, device="meta")), ValueError,
+     "k is on the meta device"),
     (dict(block_scores=torch.randn(1, 2, 4)), ValueError,
      "block_scores order the walk only with order='importance'; got order 'sink_recency'"),
     (dict(v=torch.randn(1, 2, 32, 8)), ValueError, "shape of k"),
@@ -248,3 +251,15 @@ def test_non_finite_cache_is_rejected_only_among_valid_tokens(name, bad):
     # Garbage past cache_seqlens is never read.
     trace = blockwise_attention(**tensors, block_size=8, cache_seqlens=torch.tensor([30]))
     assert torch.isfinite(trace.final_out).all()
+
+
+@pytest.mark.parametrize("mode", ["exact", "kernel"])
+def test_a_block_past_the_cache_is_walked_as_the_cache_not_padded_to_its_size(mode):
+    # 2**40 tokens of padding could not be allocated: the one block is walked as its S tokens
+    q, k, v, seqlens = random_case(7, 2, 4, 2, 100, 8)
+    huge = blockwise_attention(q, k, v, block_size=2 ** 40, mode=mode, cache_seqlens=seqlens)
+    one_block = blockwise_attention(q, k, v, block_size=100, mode=mode, cache_seqlens=seqlens)
+    assert huge.block_size == 2 ** 40 and huge.partial_out.shape[-2] == 1
+    assert torch.equal(huge.final_out, one_block.final_out)
+    assert torch.equal(huge.block_tokens, one_block.block_tokens)
+    assert torch.equal(huge.block_tokens[..., 0], seqlens[:, None].expand(-1, 4))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from art_analysis.flexprefill import (QUERY_AWARE, VERTICAL_SLASH, RepresentativeAttention, block_budgets,
-                                      coverage_count, dense_causal_attention, descending_rank, gamma_sweep,
+                                      block_sum, coverage_count, dense_causal_attention, descending_rank, gamma_sweep,
                                       js_distance, representative_attention, select_blocks, sparse_attention,
                                       vertical_slash_mask)
 
@@ -283,3 +283,16 @@ def test_gamma_sweep_names_gammas_that_are_not_a_sequence_of_fractions(gammas, e
     q, k, v = _qkv(n=64)
     with pytest.raises(error, match=match):
         gamma_sweep(q, k, v, gammas, block_size=32, min_budget=32)
+
+
+def test_a_block_past_the_prompt_sums_and_selects_as_one_block():
+    # block_sum's tile holds the N values, not block_size (2**40 could not be allocated)
+    x = torch.arange(12.0).view(2, 6)
+    assert torch.equal(block_sum(x, 2 ** 40), x.sum(-1, keepdim=True))
+    assert torch.equal(block_sum(x, 4), torch.stack([x[:, :4].sum(-1), x[:, 4:].sum(-1)], -1))
+    q, k, v = _qkv()
+    huge = select_blocks(q, k, block_size=2 ** 40)
+    one_block = select_blocks(q, k, block_size=200)
+    assert huge.block_mask.shape == (1, 4, 1, 1) and huge.block_mask.all()
+    assert torch.equal(huge.js_distance, one_block.js_distance)
+    assert torch.equal(huge.pattern, one_block.pattern)

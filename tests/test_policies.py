@@ -336,3 +336,20 @@ def test_windows_and_sinks_are_kept_even_without_attention():
     assert 7 in kept and len(kept) == 2
     kept = as_sets(policies.make("streaming", budget=24, sink_tokens=4).select(k, k, block_size=8))[0][0]
     assert kept == {0, 6, 7}
+
+
+@pytest.mark.parametrize("spec", ["streaming:budget=0.5", "quest:budget=0.5", "snapkv:budget=0.5,window=8",
+                                  "oracle_contribution:budget=0.5", "h2o:budget=0.5"])
+def test_a_block_past_the_cache_selects_as_one_block_of_the_cache(spec):
+    # to_blocks' tiles hold S slots, not block_size (2**40 slots could not be allocated)
+    k, v, queries = make_inputs()
+    policy = policies.parse_spec(spec)
+    lengths = torch.tensor(SEQLENS)
+    huge = policy.select(k, v, queries=queries, block_size=2 ** 40, cache_seqlens=lengths)
+    one_block = policy.select(k, v, queries=queries, block_size=SEQLEN, cache_seqlens=lengths)
+    assert huge.shape == (BATCH, KV_HEADS, 1) and huge.all()
+    assert torch.equal(huge, one_block)
+    inputs = validate_inputs(k, v, queries=queries, layer=None, num_layers=None, block_size=2 ** 40,
+                             cache_seqlens=lengths)
+    assert inputs.block_tile == SEQLEN
+    assert torch.equal(inputs.block_sum(torch.ones(BATCH, SEQLEN)), lengths[:, None].to(torch.float32))

@@ -144,3 +144,6 @@ def test_paged_selection_rejects_an_empty_walk(cache):
         paged_selection(cache.q, cache.k, cache.v, selection, block_size=BLOCK)
     with pytest.raises(ValueError, match="selection must be a BoolTensor of shape"):
         paged_selection(cache.q, cache.k, cache.v, selection[..., :5], block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"block_size \(the kernel's page and block size\) must be one of "
+                                         r"\(16, 32, 64, 128\), got 24"):
+        paged_selection(cache.q, cache.k, cache.v, selection, block_size=24)

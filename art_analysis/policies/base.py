@@ -49,6 +49,12 @@ class SelectionInputs:
         return math.ceil(self.k.shape[2] / self.block_size)
 
     @property
+    def block_tile(self) -> int:
+        """Token slots per block in :meth:`to_blocks`: ``block_size``, or ``S`` where one block holds the whole cache
+        (a ``block_size`` past ``S`` is not padded to, however large)."""
+        return min(self.block_size, self.k.shape[2])
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head (needs ``queries``)."""
         return self.queries.shape[1] // self.k.shape[1]
@@ -86,22 +92,23 @@ class SelectionInputs:
         return (ids[None, :] >= start[:, None]) & self.valid_blocks
 
     def to_blocks(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
-        """Split the token axis ``dim`` (length ``S``) into ``[nb, block_size]``, zero-padded past ``S``.
+        """Split the token axis ``dim`` (length ``S``) into ``[nb, bs]`` (``bs`` = :attr:`block_tile`), zero-padded
+        past ``S``.
 
-        For example ``[B, Hkv, S, D]`` -> ``[B, Hkv, nb, block_size, D]`` with ``dim=2``.
+        For example ``[B, Hkv, S, D]`` -> ``[B, Hkv, nb, bs, D]`` with ``dim=2``.
         """
         dim = dim % x.dim()
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.num_blocks * self.block_size - x.shape[dim]]
-        return torch.nn.functional.pad(x, pad).unflatten(dim, (self.num_blocks, self.block_size))
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.num_blocks * self.block_tile - x.shape[dim]]
+        return torch.nn.functional.pad(x, pad).unflatten(dim, (self.num_blocks, self.block_tile))
 
     @property
     def valid_block_tokens(self) -> torch.Tensor:
-        """``BoolTensor [B, nb, block_size]``: which slots of every block hold a valid token."""
+        """``BoolTensor [B, nb, bs]`` (``bs`` = :attr:`block_tile`): which slots of every block hold a valid token."""
         return self.to_blocks(self.valid_tokens.to(torch.uint8), dim=1).bool()
 
     def block_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum per-token values ``[B, ..., S]`` into per-block values ``[B, ..., nb]`` (invalid tokens count 0)."""
-        valid = self.valid_block_tokens.view(x.shape[0], *([1] * (x.dim() - 2)), self.num_blocks, self.block_size)
+        valid = self.valid_block_tokens.view(x.shape[0], *([1] * (x.dim() - 2)), self.num_blocks, self.block_tile)
         blocks = self.to_blocks(x, dim=-1)
         return torch.where(valid, blocks, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int_checks import check_choice
+
 from ..blockwise import BlockTrace, blockwise_attention
 from ..checks import check_block_size, check_cache_seqlens
 from ..orders import walkable_blocks
@@ -176,7 +178,8 @@ def paged_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
 
     Args:
         q: ``[B, Hq, D]``; k, v: ``[B, Hkv, S, D]``; selection: ``BoolTensor [B, Hkv, ceil(S / block_size)]``.
-        block_size: tokens per block, which is also the page size.
+        block_size: tokens per block, which is also the page size: one of the kernel's
+            ``kernels.art_decode.BLOCK_SIZES``.
         cache_seqlens: ``[B]`` valid tokens (default ``S``).
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, selection)):
@@ -186,7 +189,9 @@ def paged_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection
         raise ValueError(f"expected q [B, Hq, D] and k, v [B, Hkv, S, D] with Hq % Hkv == 0, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, kv_heads, seqlen, dim = k.shape
-    check_block_size(block_size)
+    from kernels.art_decode import BLOCK_SIZES
+
+    check_choice(block_size, "block_size (the kernel's page and block size)", BLOCK_SIZES)
     num_blocks = -(-seqlen // block_size)
     if selection.dtype != torch.bool or tuple(selection.shape) != (batch, kv_heads, num_blocks):
         raise ValueError(f"selection must be a BoolTensor of shape {(batch, kv_heads, num_blocks)}")
