@@ -109,7 +109,8 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
     Args:
         q: ``[B, Hq, D]`` decode queries.
         k, v: ``[B, Hkv, S, D]`` contiguous KV cache.
-        block_size: tokens per KV block (the last block of a sequence may be partial).
+        block_size: tokens per KV block (the last block of a sequence may be partial; a block past ``S`` is
+            the one block of the whole cache).
         order: traversal order name or explicit permutation (see :mod:`art_analysis.orders`).
         cache_seqlens: ``[B]`` valid tokens per sequence, ``1 <= len <= S`` (default ``S``).
         selection: ``BoolTensor [B, Hkv, ceil(S / block_size)]``, the blocks a KV-selection
