@@ -371,15 +371,16 @@ def test_the_longest_walk_hint_sets_the_default_split_plan(fake_sms, record_deco
     # dense walk: 32 x 3 x 128 blocks at 1.9 blocks per lone step on each of 132 SMs, 49 lone steps
     art_decode(q, k, v, art=config)                                  # 49 <= 2 x 34 (the guess): followers at once
     art_decode(q, long_k, long_k, art=config)                        # 98 > 68: followers from the guess, step 34
-    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 49 <= 128: followers at once
+    art_decode(q, k, v, art=config, longest_stop_steps=128)          # 49 <= 128: the guess's rule, at once
     art_decode(q, k, v, art=config, longest_stop_steps=46)           # 49 > 46, told: followers from step 46
+    art_decode(q, long_k, long_k, art=config, longest_stop_steps=200)   # 98 <= 200: the guess's rule, step 34
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count: followers at once
     art_decode(q, k, v, art=config, num_splits=2, follow_step=20)
     follow = launches.kernel.arg_names.index("follow_step")
     plans = [(call.grid, call.kwargs["DEFERRED"], call.args[follow]) for call in launches.calls]
     # deferred followers take the grid (pairs, splits), so that every leader is dispatched first
     assert plans == [((5, 96), False, 0), ((96, 5), True, 34), ((5, 96), False, 0), ((96, 5), True, 46),
-                     ((2, 96), False, 0), ((96, 2), True, 20)]
+                     ((96, 5), True, 34), ((2, 96), False, 0), ((96, 2), True, 20)]
 
 
 def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_decode_launches):

@@ -174,9 +174,12 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fak
     assert plan(32, 8, 512) == (1, 0)                               # 396 // 256: one split, no follower
     assert plan(32, 3, 512, head_dim=64) == (5, 34)                 # SmolLM2 B = 32, 32k: 196 > 68
     assert plan(128, 3, 512, head_dim=64) == (1, 0)                 # one program per pair already fills the SMs
-    # told the longest walk, the rule compares the dense walk with it, and the followers wait for that step
-    assert plan(32, 3, 128, head_dim=64, longest=128) == (5, 0)
-    assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 0)     # 196
+    # told the longest walk, the rule compares the dense walk with it, and the followers wait for that step; told a
+    # walk that outlasts the dense walk, the call takes the guess of a call not told (V87)
+    assert plan(32, 3, 128, head_dim=64, longest=128) == (5, 0)     # 49 < 128, and 49 <= 2 x 34: at once
+    assert plan(32, 3, 512, head_dim=64, longest=349) == (5, 34)    # 196 < 349, and 196 > 68: the guess
+    assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 34)
+    assert plan(32, 3, 512, head_dim=64, longest=195) == (5, 195)   # 196 > 195: the told walk
     assert plan(32, 3, 2048, head_dim=64, longest=241) == (5, 241)  # 784 > 241
     assert plan(8, 8, 512, longest=44) == (6, 44)                   # 207 > 44
     # told, the walk needs no margin: 52 > 40 defers, where the guess (52 <= 2 x 34) did not

@@ -79,8 +79,8 @@ def persistence_summary(walks: torch.Tensor, thresholds: Sequence[int] = ()) -> 
       hint taken from the previous step falls short;
     * ``split_choice_agreement``: for each threshold (blocks), the ``(layer, t)`` pairs whose longest walk lies on
       the same side of it (at least it, or below) as at ``t - 1``.  The kernel's split plan, told the longest walk,
-      starts the followers at once when that walk reaches its dense walk's length in lone steps (every block at the
-      device's dense pace, ``kernels.split_plan.dense_walk_ends_first``), and defers them to that walk otherwise
+      defers the followers to that walk where it is shorter than the dense walk in lone steps (every block at the
+      device's dense pace, ``kernels.split_plan.dense_walk_ends_first``), and takes a call's guess where it is not
       (``kernels.split_plan.choose_follow_step``), so this is how often the previous step's hint leads to the choice
       that the current walk would."""
     if not isinstance(walks, torch.Tensor) or walks.dim() != 4 or walks.shape[1] < 2:
