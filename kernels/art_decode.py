@@ -83,7 +83,8 @@ not a real layer's (SmolLM2 layer 15 on 8 sequences: 128 at 8k, 347-484 at 32k-1
   blocks, took 68 us deferred to 34 blocks against 55 us for the dense walk; its followers now start at once).  Told a
   walk past the dense walk, the guess still pays: the followers of a walk released past it stop when it stops (V87:
   the SmolLM2 layer at B = 32 x 32k, walks of up to 349 blocks, 149 against 153 us on the H200, 165 against 199 on
-  an H100, against followers at once);
+  an H100, against followers at once), where the walks end in the leader's range: told each walk, the call takes it
+  only where at least half of them do (V90);
 * else the leader scheme with the followers starting at once: about the dense time plus the monitor, and few or no
   blocks saved, since the leader's range is too short to stop in, or the dense walk itself where the leader's range
   cannot reach the earliest stop (below).
@@ -703,8 +704,9 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
     elif one_wave_splits is not None:
         num_splits = one_wave_splits
     elif num_splits is None:
-        num_splits, planned_follow_step = choose_split_plan(batch, kv_heads, max_steps, q.device, art, block_size,
-                                                            head_dim, longest_stop_steps=longest_stop_steps)
+        num_splits, planned_follow_step = choose_split_plan(
+            batch, kv_heads, max_steps, q.device, art, block_size, head_dim, longest_stop_steps=longest_stop_steps,
+            told_walks=None if pair_walks is None else pair_walks.sorted_walks)
         follow_step = planned_follow_step if follow_step is None else follow_step
         pair_plan = None if pair_walks is None else choose_pair_splits(batch, kv_heads, max_steps, q.device, art,
                                                                        block_size, head_dim, pair_walks)

@@ -52,6 +52,7 @@ MAX_SPLITS = 128
 WAVE_FILL = 0.75
 ART_STOP_MARGIN = 2        # the guessed longest walk (not told one, or told one past the dense walk): earliest stops
 GUESS_REGRET_RATIO = 2     # ... and the followers deferred to it only where the dense walk takes this many times longer
+GUESS_PAYS_SHARE = 0.5     # ... and, told each walk, where at least this share of them ends in the leader's range
 ON_DEMAND_BLOCKS_PER_SPLIT = 32   # on_demand_plan: a split per this many blocks of the walk, ...
 ON_DEMAND_SPLITS = (4, 32)        # ... within these bounds
 ON_DEMAND_RELEASED_PER_SM = 8     # ... and at most this many released programs per multiprocessor
@@ -193,21 +194,25 @@ def wave_balanced_splits(pairs: int, max_steps: int, sms: int, most: int) -> int
 
 
 def choose_split_plan(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams | None,
-                      block_size: int, head_dim: int, longest_stop_steps: int | None = None) -> tuple[int, int]:
+                      block_size: int, head_dim: int, longest_stop_steps: int | None = None,
+                      told_walks=None) -> tuple[int, int]:
     """``(num_splits, follow_step)`` of a call at the default split count: :func:`choose_num_splits`, and with ``art``
-    the follow step of :func:`choose_follow_step`; a call with deferred followers keeps every program resident
-    (:func:`deferred_splits`), and one split has no followers (follow step 0)."""
+    the follow step of :func:`choose_follow_step` (``told_walks``: the pairs' expected walks, ascending, where the
+    call was told them); a call with deferred followers keeps every program resident (:func:`deferred_splits`), and
+    one split has no followers (follow step 0)."""
     num_splits = choose_num_splits(batch, kv_heads, max_steps, device, block_size,
                                    head_dim=head_dim if art is None else None)
     follow_step = 0 if art is None else choose_follow_step(batch, kv_heads, max_steps, device, art, num_splits,
-                                                          head_dim, longest_stop_steps=longest_stop_steps)
+                                                          head_dim, longest_stop_steps=longest_stop_steps,
+                                                          told_walks=told_walks)
     if follow_step:
         num_splits = min(num_splits, deferred_splits(batch * kv_heads, block_size, head_dim, device))
     return num_splits, follow_step if num_splits > 1 else 0
 
 
 def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.device, art: ARTParams,
-                       num_splits: int, head_dim: int, longest_stop_steps: int | None = None) -> int:
+                       num_splits: int, head_dim: int, longest_stop_steps: int | None = None,
+                       told_walks=None) -> int:
     """The leader's step from which an ART call's followers walk (``kernels.art_decode``'s docstring, *deferred
     followers*).  Told the longest walk (``longest_stop_steps``) and the split-K dense walk would not end before it
     (:func:`dense_walk_ends_first`), that walk: walks that stop by then load no follower's block.  Otherwise the
@@ -218,7 +223,11 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     chunks end, so the guess pays also where the told longest walk outlasts the dense walk: the SmolLM2 layer at
     B = 32 x 32k (walks of 19-349 blocks, median 61; the dense walk 196 lone steps), deferred to 34 against followers
     at once, took 148.2-150.3 against 150.3-153.6 us in each of the H200's full runs V56-V79 and 165.0-168.7 against
-    198.7-205.3 on three H100s (V74, V83, V86)."""
+    198.7-205.3 on three H100s (V74, V83, V86).  It saves only the blocks of walks that end in the leader's range, so
+    a call told each walk (``told_walks``, ascending) takes the guess only where at least ``GUESS_PAYS_SHARE`` of
+    them end there (:func:`leader_range` of ``num_splits``, before any cap on resident programs, which can only
+    lengthen it): that layer's walks 92 of 96 within the leader's 129 blocks; a call whose walks outlast it pays the
+    guess for nothing (not stopping at all, that layer took 1.11x the dense time at 32k deferred to the guess, V50)."""
     if num_splits == 1:
         return 0
     if longest_stop_steps is not None and not dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device,
@@ -227,6 +236,10 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     guess = expected_longest_walk(art)
     if dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, GUESS_REGRET_RATIO * guess):
         return 0
+    if told_walks is not None:
+        within = leader_range(max_steps, num_splits, guess)
+        if sum(int(w) <= within for w in told_walks) < GUESS_PAYS_SHARE * len(told_walks):
+            return 0
     return guess
 
 
@@ -267,7 +280,7 @@ def choose_pair_splits(batch: int, kv_heads: int, max_steps: int, device: torch.
     :func:`choose_split_plan`, told the walks' longest, takes one split, :func:`choose_pair_plan`'s if that takes
     several."""
     if choose_split_plan(batch, kv_heads, max_steps, device, art, block_size, head_dim,
-                         longest_stop_steps=pair_walks.sorted_walks[-1])[0] > 1:
+                         longest_stop_steps=pair_walks.sorted_walks[-1], told_walks=pair_walks.sorted_walks)[0] > 1:
         return None
     num_splits, threshold = choose_pair_plan(pair_walks.sorted_walks, max_steps, head_dim, device)
     return (num_splits, threshold) if num_splits > 1 else None

@@ -24,6 +24,7 @@ from art_analysis.synthetic import synthetic_cache
 from art_analysis.termination import ARTConfig, kernel_walk_steps, stop
 from kernels.art_decode import art_decode, plan_decode
 from kernels.paged_cache import to_paged
+from kernels.pair_walks import PairWalks
 
 CPU = torch.device("cpu")
 CAPTURED_LAYER = Path(__file__).parent / "fixtures" / "smollm2_layer15_ctx1024.safetensors"
@@ -374,13 +375,19 @@ def test_the_longest_walk_hint_sets_the_default_split_plan(fake_sms, record_deco
     art_decode(q, k, v, art=config, longest_stop_steps=128)          # 49 <= 128: the guess's rule, at once
     art_decode(q, k, v, art=config, longest_stop_steps=46)           # 49 > 46, told: followers from step 46
     art_decode(q, long_k, long_k, art=config, longest_stop_steps=200)   # 98 <= 200: the guess's rule, step 34
+    # told each walk past the dense walk: the guess where half the walks end in the leader's range (34 + 222 // 5)
+    short = torch.full((32, 3), 40)
+    short[0, 0] = 200
+    art_decode(q, long_k, long_k, art=config, pair_walks=PairWalks.from_walks(short))             # 95 of 96: 34
+    art_decode(q, long_k, long_k, art=config, pair_walks=PairWalks.from_walks(torch.full((32, 3), 256)))  # none: 0
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count: followers at once
     art_decode(q, k, v, art=config, num_splits=2, follow_step=20)
     follow = launches.kernel.arg_names.index("follow_step")
     plans = [(call.grid, call.kwargs["DEFERRED"], call.args[follow]) for call in launches.calls]
     # deferred followers take the grid (pairs, splits), so that every leader is dispatched first
     assert plans == [((5, 96), False, 0), ((96, 5), True, 34), ((5, 96), False, 0), ((96, 5), True, 46),
-                     ((96, 5), True, 34), ((2, 96), False, 0), ((96, 2), True, 20)]
+                     ((96, 5), True, 34), ((96, 5), True, 34), ((5, 96), False, 0), ((2, 96), False, 0),
+                     ((96, 2), True, 20)]
 
 
 def test_plan_decode_states_the_walk_that_art_decode_launches(fake_sms, record_decode_launches):

@@ -159,8 +159,9 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fak
     assert earliest_stop_steps(monitor) == 17
     assert earliest_stop_steps(ARTParams(patience=40, min_steps=9)) == 49   # done at step 48
 
-    def plan(batch, kv_heads, blocks, head_dim=128, longest=None, art=monitor):
-        return choose_split_plan(batch, kv_heads, blocks, None, art, 64, head_dim, longest_stop_steps=longest)
+    def plan(batch, kv_heads, blocks, head_dim=128, longest=None, art=monitor, walks=None):
+        return choose_split_plan(batch, kv_heads, blocks, None, art, 64, head_dim, longest_stop_steps=longest,
+                                 told_walks=walks)
 
     # the dense walk (every block at 1.2 blocks per lone step per SM at D = 128, 1.9 at D = 64) ends within
     # GUESS_REGRET_RATIO (2) times the guessed longest walk (2 earliest ends, 34 blocks): followers at once
@@ -180,6 +181,12 @@ def test_split_plan_defers_the_followers_where_the_dense_walk_would_end_last(fak
     assert plan(32, 3, 512, head_dim=64, longest=349) == (5, 34)    # 196 < 349, and 196 > 68: the guess
     assert plan(32, 3, 512, head_dim=64, longest=242) == (5, 34)
     assert plan(32, 3, 512, head_dim=64, longest=195) == (5, 195)   # 196 > 195: the told walk
+    # told each walk, the guess only where at least half the walks end in the leader's range (34 + 478 // 5 = 129)
+    assert plan(32, 3, 512, head_dim=64, longest=349, walks=[60] * 48 + [349] * 48) == (5, 34)
+    assert plan(32, 3, 512, head_dim=64, longest=349, walks=[129] * 48 + [349] * 48) == (5, 34)
+    assert plan(32, 3, 512, head_dim=64, longest=349, walks=[60] * 47 + [130] + [349] * 48) == (5, 0)
+    assert plan(32, 3, 512, head_dim=64, longest=512, walks=[512] * 96) == (5, 0)   # no walk stops: at once
+    assert plan(32, 3, 2048, head_dim=64, longest=241, walks=[241] * 96) == (5, 241)  # the told walk, as above
     assert plan(32, 3, 2048, head_dim=64, longest=241) == (5, 241)  # 784 > 241
     assert plan(8, 8, 512, longest=44) == (6, 44)                   # 207 > 44
     # told, the walk needs no margin: 52 > 40 defers, where the guess (52 <= 2 x 34) did not
