@@ -793,9 +793,11 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             are lopsided, else the default ``pair_walks``; this call's walks are recorded into it (with ``art``; not
             inside a CUDA-graph capture; after a wave, the wave's result steps for the pairs it finished).
         pair_walks: with ``art``, a :class:`kernels.pair_walks.PairWalks` of this call's ``[B, Hkv]`` pairs: each
-            pair's expected walk.  Its longest is the default ``longest_stop_steps``; where the plan then takes
-            one split, the pairs expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan`
-            (module docstring, *per-pair splits*); where :func:`kernels.split_plan.told_wave_steps` takes a wave,
+            pair's expected walk.  Its longest is the default ``longest_stop_steps``, and its walks decide whether
+            a longest walk past the dense walk defers the followers to the guess
+            (:func:`kernels.split_plan.choose_follow_step`); where the plan then takes one split, the pairs
+            expected to walk long take every split of :func:`kernels.split_plan.choose_pair_plan` (module
+            docstring, *per-pair splits*); where :func:`kernels.split_plan.told_wave_steps` takes a wave,
             the call runs it and plans the rest for the longest walk only.  Not with ``num_splits`` or
             ``follow_step``.
         release_walks: with ``art`` and several splits, the followers are released *on demand* (module docstring):
