@@ -21,6 +21,7 @@ host, so a call inside a CUDA-graph capture plans as any other.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -236,9 +237,9 @@ def choose_follow_step(batch: int, kv_heads: int, max_steps: int, device: torch.
     guess = expected_longest_walk(art)
     if dense_walk_ends_first(batch, kv_heads, max_steps, head_dim, device, GUESS_REGRET_RATIO * guess):
         return 0
-    if told_walks is not None:
-        within = leader_range(max_steps, num_splits, guess)
-        if sum(int(w) <= within for w in told_walks) < GUESS_PAYS_SHARE * len(told_walks):
+    if told_walks is not None:    # ascending: the walks within the leader's range lead
+        if bisect.bisect_right(told_walks, leader_range(max_steps, num_splits, guess)) < GUESS_PAYS_SHARE * len(
+                told_walks):
             return 0
     return guess
 
