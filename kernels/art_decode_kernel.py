@@ -322,28 +322,26 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
                   tau, phi, patience, probe_mask,
                   PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr, RELATIVE: tl.constexpr,
                   USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr):
-    """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head.
+    """The ART monitor after one step: returns the probe norm, stable-run counter and done bit per head
+    (``_probe_sums`` over the rows of ``acc_old``, ``acc_new [rows, D]``, then ``_stable_step``)."""
+    inv_l = _inverse_total(l_new)
+    squares, moved = _probe_sums(acc_old, l_old, acc_new, l_new, probe_mask, PROBE_OUTPUT, PROBE_MMA, USE_DIRECTION)
+    return _stable_step(squares, moved, inv_l, norm_old, count, done, step, first_counted, tau, phi, patience,
+                        PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)
 
-    The output probe ``x = acc / l`` is never formed: its norm is the accumulator's scaled by ``1 / l`` per
-    head.  The direction test reads the change ``x - x_old`` as ``acc_new - acc_old * l_new / l_old`` (one FMA
-    per element; its squared norm scaled by ``1 / l_new^2`` after the sum), reduced together with ``|acc|^2``
-    (one cross-warp exchange), and uses the simulator's cancellation-free ``1 - cos``
-    (``art_analysis.termination.one_minus_cos``)::
 
-        d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
-        d_dir   < phi  <=>  |x - x_old|^2 - (n - n_old)^2 < 2 phi n n_old  and  phi > 0   where n n_old > 1e-30
-                       <=>  1 < phi                                                    elsewhere (d_dir = 1)
-
-    (``phi > 0``: ``1 - cos`` is never below 0, so a rounding below zero must not pass ``phi = 0``; the simulator
-    clamps it at 0.)  ``USE_DIRECTION``: ``DIRECTION_OFF``, ``DIRECTION_ON`` for ``0 < phi <= 1``, where both
-    guards are true and drop out (each cost latency-bound walks up to 1 % on an H100), or ``DIRECTION_GUARDED``
-    for any other ``phi``.
-    """
+@triton.jit
+def _probe_sums(acc_old, l_old, acc_new, l_new, probe_mask, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr,
+                USE_DIRECTION: tl.constexpr):
+    """The two sums over the probe's dims that the monitor's test reads, per row of ``acc_old``, ``acc_new
+    [rows, D]`` (``l_old``, ``l_new [rows]``): ``|acc_new|^2`` and, with the direction test, the squared change
+    ``|x - x_old|^2`` scaled by ``l_new^2`` where the probe is the output (``_stable_step`` applies ``1 / l_new^2``),
+    else 0.  The output probe ``x = acc / l`` is never formed: the change is ``acc_new - acc_old * l_new / l_old``
+    (one FMA per element), reduced together with ``|acc|^2`` (one cross-warp exchange).  Sums over parts of the
+    dims add up to the sums over all of them (the wave's monitor takes them in chunks of ``D``)."""
     square = acc_new * acc_new
     if PROBE_MMA:
         square = tl.where(probe_mask, square, 0.0)
-    if PROBE_OUTPUT:
-        inv_l = 1.0 / tl.maximum(l_new, 1e-30)
     if USE_DIRECTION:
         if PROBE_OUTPUT:
             # l_new * (x - x_old): one FMA per element, the 1 / l_new^2 applied to the sum
@@ -354,10 +352,39 @@ def _probe_update(acc_old, l_old, acc_new, l_new, norm_old, count, done, step, f
         if PROBE_MMA:
             moved = tl.where(probe_mask, moved, 0.0)
         squares, moved = tl.split(tl.sum(tl.join(square, moved), 1))
-        if PROBE_OUTPUT:
-            moved = moved * inv_l * inv_l
     else:
         squares = tl.sum(square, 1)
+        moved = tl.zeros_like(squares)
+    return squares, moved
+
+
+@triton.jit
+def _inverse_total(l):
+    """``1 / l`` of the softmax totals ``l`` (any shape), as the monitor scales the output probe's sums."""
+    return 1.0 / tl.maximum(l, 1e-30)
+
+
+@triton.jit
+def _stable_step(squares, moved, inv_l, norm_old, count, done, step, first_counted, tau, phi, patience,
+                 PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                 USE_DIRECTION: tl.constexpr):
+    """The monitor's test of one step from ``_probe_sums``' sums (any shape, elementwise with ``inv_l``,
+    ``norm_old``, ``count``, ``done`` and ``step``; ``inv_l``: ``_inverse_total`` of the step's ``l``, read only where
+    the probe is the output): returns the probe norm, stable-run counter and done bit.  Its
+    norm is the accumulator's scaled by ``1 / l`` per head where the probe is the output, and the direction test
+    uses the simulator's cancellation-free ``1 - cos`` (``art_analysis.termination.one_minus_cos``)::
+
+        d_scale < tau  <=>  |n - n_old| < tau * max(n_old, 1e-30)   (relative; absolute: < tau)
+        d_dir   < phi  <=>  |x - x_old|^2 - (n - n_old)^2 < 2 phi n n_old  and  phi > 0   where n n_old > 1e-30
+                       <=>  1 < phi                                                    elsewhere (d_dir = 1)
+
+    (``phi > 0``: ``1 - cos`` is never below 0, so a rounding below zero must not pass ``phi = 0``; the simulator
+    clamps it at 0.)  ``USE_DIRECTION``: ``DIRECTION_OFF``, ``DIRECTION_ON`` for ``0 < phi <= 1``, where both
+    guards are true and drop out (each cost latency-bound walks up to 1 % on an H100), or ``DIRECTION_GUARDED``
+    for any other ``phi``.
+    """
+    if PROBE_OUTPUT and USE_DIRECTION:
+        moved = moved * inv_l * inv_l
     norm = tl.sqrt_rn(squares)
     if PROBE_OUTPUT:
         norm = norm * inv_l

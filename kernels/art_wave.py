@@ -14,19 +14,12 @@ import triton
 from .art_params import ARTParams
 from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
 
-MAX_WAVE_STEPS = 128       # the monitor holds [W, D] fp32 tiles: 128 steps at D = 128 take 8 warps
+MAX_WAVE_STEPS = 128       # the monitor holds [W, DIM_CHUNK] fp32 tiles: 91 registers at 128 steps, no spill
 WAVE_HEADS = 16            # query heads a finishing program writes at once
 WAVE_WARPS = 4
-
-
-def monitor_warps(wave_steps: int, head_dim: int) -> int:
-    """Warps of ``wave_monitor_kernel``: one per 2048 elements of its ``[W, D]`` fp32 tiles (the blocks', the scanned
-    states, the states before each step and the monitor's squares: 64 registers each per thread), at least 4.  Twice
-    as many warps were as fast or slower at every shape measured (NOTES V83, ``-wave-monitor-warps-ab-h100.json``, an
-    H100; the call with 8 warps against 4 at ``W = 48 / 64``, ``D = 128``: the same at B = 1, 6-10 % longer at
-    B = 8-32; 16 against 8 at ``W = 128``: 4-5 % longer), though the fewer spill (300 bytes at ``W = 64``,
-    ``D = 128``; about 1 KB at ``W = 128``)."""
-    return min(16, max(4, triton.next_power_of_2(wave_steps) * head_dim // 2048))
+# dims of a head per monitor program: its [W, 32] tiles take 832 sm_90 instructions at W = 48 (53 registers), the
+# [W, 128] tiles of one program per head 3,376 (255 registers); the finish sums the chunks' sums (NOTES V91)
+WAVE_DIM_CHUNK = 32
 
 
 def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, monitor: ARTParams, wave_steps: int,
@@ -46,30 +39,37 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
     pairs = batch * kv_heads
     paged = block_table is not None
     device = q.device
+    chunk = min(WAVE_DIM_CHUNK, head_dim)
     part_m = torch.empty(pairs * group * wave_steps, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
+    state_m = torch.empty_like(part_m)
     part_acc = torch.empty(pairs * group * wave_steps * head_dim, dtype=torch.float32, device=device)
-    head_done = torch.empty(pairs * group, dtype=torch.int32, device=device)
+    state_l = torch.empty(pairs * group * (head_dim // chunk) * wave_steps, dtype=torch.float32, device=device)
+    squares = torch.empty_like(state_l)
+    moved = torch.empty_like(state_l)
     wave_done = torch.empty(pairs, dtype=torch.int32, device=device)
     lengths = wave_done if seqlens is None else seqlens       # a placeholder pointer where the lengths agree
     table = block_table if paged else wave_done
     strides_k, strides_v = strides
     ragged = seqlens is not None
+    block_w = triton.next_power_of_2(wave_steps)
+    probe_output = monitor.probe_source == "output"
     wave_attend_kernel[(wave_steps, pairs)](
         q, k_cache, v_cache, table, lengths, part_m, part_l, part_acc, sm_scale, kv_heads, max_len, wave_steps,
         q.stride(0), q.stride(1), *strides_k, *strides_v, table.stride(0) if paged else 0,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, SINK_RECENCY=order == "sink_recency", RAGGED=ragged,
         DOT_PRECISION=dot_precision, num_warps=WAVE_WARPS, num_stages=1)
-    wave_monitor_kernel[(pairs, group)](
-        part_m, part_l, part_acc, head_done, lengths, sm_scale, float(monitor.tau), float(monitor.phi),
-        int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
-        GROUP=group, BLOCK_W=triton.next_power_of_2(wave_steps), HEAD_DIM=head_dim, BLOCK_N=block_size, RAGGED=ragged,
-        PROBE_OUTPUT=monitor.probe_source == "output", PROBE_MMA=monitor.probe_dims == "mma",
-        RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale, USE_DIRECTION=direction,
-        num_warps=monitor_warps(wave_steps, head_dim), num_stages=1)
+    wave_monitor_kernel[(pairs, group, head_dim // chunk)](
+        part_m, part_l, part_acc, state_m, state_l, squares, moved, lengths, sm_scale, kv_heads, max_len, wave_steps,
+        GROUP=group, BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=chunk, BLOCK_N=block_size, RAGGED=ragged,
+        PROBE_OUTPUT=probe_output, PROBE_MMA=monitor.probe_dims == "mma", USE_DIRECTION=direction,
+        num_warps=WAVE_WARPS, num_stages=1)
     wave_finish_kernel[(pairs,)](
-        part_m, part_l, part_acc, head_done, lengths, out, lse, wave_done, sm_scale, kv_heads, max_len, wave_steps,
+        part_acc, state_m, state_l, squares, moved, lengths, out, lse, wave_done, sm_scale, float(monitor.tau),
+        float(monitor.phi), int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=min(WAVE_HEADS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_size, RAGGED=ragged, num_warps=WAVE_WARPS, num_stages=1)
+        BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=chunk, BLOCK_N=block_size, RAGGED=ragged,
+        PROBE_OUTPUT=probe_output, RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale,
+        USE_DIRECTION=direction, num_warps=WAVE_WARPS, num_stages=1)
     return wave_done

@@ -12,24 +12,28 @@ walk is shorter) ends after one parallel read and two short evaluations; it read
   ``l_t = sum exp(s - m_t)`` and ``a_t = p V [GROUP, D]`` (fp32), into ``part_m``, ``part_l [B * Hkv, GROUP, W]`` and
   ``part_acc [B * Hkv, GROUP, W, D]``.  A step past the pair's blocks, or whose scores are all ``-inf``, stores
   ``m = -inf``, ``l = 0``, ``a = 0``.
-* ``wave_monitor_kernel``, grid ``(B * Hkv, GROUP)``: per query head, the walk's running state after every step,
-  in the frame of its running maximum ``M_t = max(m_0..m_t)`` as the walk holds it, by linear-recurrence scans over
-  the steps::
+* ``wave_monitor_kernel``, grid ``(B * Hkv, GROUP, D / DIM_CHUNK)``: per query head and chunk of its dims, the
+  walk's running state after every step, in the frame of its running maximum ``M_t = max(m_0..m_t)`` as the walk
+  holds it, by linear-recurrence scans over the steps::
 
       L_t = alpha_t L_(t-1) + beta_t l_t,   A_t = alpha_t A_(t-1) + beta_t a_t
       alpha_t = exp(M_(t-1) - M_t),  beta_t = exp(m_t - M_t)
 
-  ``M``, ``L`` and ``A`` overwrite ``part_m``, ``part_l`` and ``part_acc`` (row ``t``: the state after step ``t``),
-  and the state before each step is read back from row ``t - 1``.  The walk's own monitor step
-  (``art_decode_kernel._probe_update``) then judges every step at once, the rows of its tiles being the steps: the
-  probe's norm before each step as the walk carries it, then each step's stable test.  The head's stable runs are a
-  running maximum of its last unstable step; its first done step (``W + 1``: none in the wave) goes to
-  ``head_done [B * Hkv, GROUP]``.
-* ``wave_finish_kernel``, grid ``(B * Hkv,)``: the pair's stop is its last head's first done step (group rule
-  ``all``).  A pair that stops in the wave, or whose whole walk lies in it (it then returns the dense output), is
-  *finished*: its ``out [B, Hq, D]`` and ``lse [B, Hq]`` are row ``stop`` of the scanned state (``A / L``;
-  ``M * sm_scale + log L``) and ``wave_done [B * Hkv]`` (int32) holds its result steps ``stop + 1``; any other pair
-  gets 0 and is walked by ``art_decode_split_kernel`` from its first step.
+  ``A`` (the chunk's dims) overwrites ``part_acc`` (row ``t``: the state after step ``t``); ``M`` goes to
+  ``state_m [B * Hkv, GROUP, W]`` and ``L`` (the same in every chunk) to the chunk's rows of ``state_l
+  [B * Hkv, GROUP, D / DIM_CHUNK, W]``, and the state before each step is read back from row ``t - 1``.  The walk's
+  monitor sums (``art_decode_kernel._probe_sums``) then take every step at once over the chunk's dims, the rows of
+  its tiles being the steps, into ``squares`` and ``moved`` (laid out as ``state_l``).  A head's ``[W, D]`` tiles in
+  one program took 3,376 sm_90 instructions at ``W = 48``, ``D = 128``, issued one at a time by one warp per
+  scheduler (NOTES V88, V89); in chunks of 32 dims, 832 per program (V91).
+* ``wave_finish_kernel``, grid ``(B * Hkv,)``: the chunks' sums added per head and step, and the walk's test
+  (``art_decode_kernel._stable_step``) of every step of every head at once: the probe's norm before each step (that
+  after the step before, as the walk carries it), then each step's stable test.  A head's stable runs are a running
+  maximum of its last unstable step, and its first done step is its stop (none in the wave: ``W + 1``); the pair's
+  stop is its last head's (group rule ``all``).  A pair that stops in the wave, or whose whole walk lies in it (it
+  then returns the dense output), is *finished*: its ``out [B, Hq, D]`` and ``lse [B, Hq]`` are row ``stop`` of the
+  scanned state (``A / L``; ``M * sm_scale + log L``) and ``wave_done [B * Hkv]`` (int32) holds its result steps
+  ``stop + 1``; any other pair gets 0 and is walked by ``art_decode_split_kernel`` from its first step.
 
 The scans sum in another order than the walk, and each block's ``p`` is rounded to the value dtype against the
 block's own maximum rather than the running one, so the monitor's values agree with the walk's to rounding.  Where a
@@ -43,7 +47,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .art_decode_kernel import _attend_block, _probe_update, _sequence_length, _step_tiles
+from .art_decode_kernel import (_attend_block, _inverse_total, _probe_sums, _sequence_length, _stable_step,
+                                _step_tiles)
 
 # integer arguments compiled as plain values (as art_decode_split_kernel's UNSPECIALISED_INTS): the thresholds and
 # the length
@@ -116,75 +121,121 @@ def _frame_weights(part_m_ptr, slots, t, in_wave, score_log2):
     return running, alpha, beta
 
 
-@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS)
-def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, head_done_ptr, seqlens_ptr,
-                        sm_scale, tau, phi, patience, first_counted, num_kv_heads, uniform_len, wave_steps,
-                        GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr, PROBE_MMA: tl.constexpr,
-                        RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr):
-    """Grid ``(B * Hkv, GROUP)``: one query head's scanned states and first done step (module docstring; the
-    monitor's switches as ``art_decode_split_kernel``'s, whose ``_probe_update`` judges every step of the wave at
-    once: the rows of its tiles are the steps)."""
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
+def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
+                        seqlens_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
+                        GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_CHUNK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
+                        PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr):
+    """Grid ``(B * Hkv, GROUP, HEAD_DIM // DIM_CHUNK)``: one query head's scanned states over one chunk of its dims,
+    and the monitor's sums over that chunk (module docstring; the switches as ``art_decode_split_kernel``'s)."""
     bh = tl.program_id(0)
     head = tl.program_id(1)
+    chunk = tl.program_id(2)
     seqlen = _sequence_length(seqlens_ptr, bh // num_kv_heads, uniform_len, RAGGED)
     steps = tl.minimum(tl.cdiv(seqlen, BLOCK_N), wave_steps)
     t = tl.arange(0, BLOCK_W)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = chunk * DIM_CHUNK + tl.arange(0, DIM_CHUNK)
     in_wave = t < steps
-    slots = (bh.to(tl.int64) * GROUP + head) * wave_steps + t
+    head_row = bh.to(tl.int64) * GROUP + head
+    slots = head_row * wave_steps + t
     rows = slots[:, None] * HEAD_DIM + dims[None, :]
+    own = (head_row * (HEAD_DIM // DIM_CHUNK) + chunk) * wave_steps + t     # this chunk's rows of the sums
     score_log2 = sm_scale * 1.4426950408889634
     running, alpha, beta = _frame_weights(part_m_ptr, slots, t, in_wave, score_log2)
     l = tl.load(part_l_ptr + slots, mask=in_wave, other=0.0)
     a = tl.load(part_acc_ptr + rows, mask=in_wave[:, None], other=0.0)
     _, total = tl.associative_scan((alpha, beta * l), 0, _linear_recurrence)
     _, acc = tl.associative_scan((tl.broadcast_to(alpha[:, None], a.shape), beta[:, None] * a), 0, _linear_recurrence)
-    # the state after each step in place of the blocks' (for wave_finish_kernel), then the state before each step
+    # the state after each step: the chunk's accumulators in place of the blocks' (no other program reads them), the
+    # totals (the same in every chunk) in the chunk's own rows; then the state before each step, from row t - 1
     tl.debug_barrier()       # every thread has read the blocks before any overwrites them
-    tl.store(part_m_ptr + slots, running, mask=in_wave)
-    tl.store(part_l_ptr + slots, total, mask=in_wave)
+    if chunk == 0:
+        tl.store(state_m_ptr + slots, running, mask=in_wave)
+    tl.store(state_l_ptr + own, total, mask=in_wave)
     tl.store(part_acc_ptr + rows, acc, mask=in_wave[:, None])
     tl.debug_barrier()
     first = in_wave & (t > 0)
-    total_before = tl.load(part_l_ptr + slots - 1, mask=first, other=0.0)
+    total_before = tl.load(state_l_ptr + own - 1, mask=first, other=0.0)
     acc_before = tl.load(part_acc_ptr + rows - HEAD_DIM, mask=first[:, None], other=0.0)
     if PROBE_MMA:
         probe_dim = (dims % 8) <= 1
     else:
         probe_dim = dims >= 0
-    probe_mask = probe_dim[None, :] & (t[:, None] >= 0)
-    zeros = tl.zeros([BLOCK_W], tl.int32)
-    # the probe's norm before each step, as the walk carries it from the step before
-    norm_before, _, _ = _probe_update(acc_before, total_before, acc_before, total_before,
-                                      tl.zeros([BLOCK_W], tl.float32), zeros, zeros, t, first_counted, tau, phi,
-                                      patience, probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                                      USE_DIRECTION)
+    squares, moved = _probe_sums(acc_before, total_before, acc, total, probe_dim[None, :] & (t[:, None] >= 0),
+                                 PROBE_OUTPUT, PROBE_MMA, USE_DIRECTION)
+    tl.store(squares_ptr + own, squares, mask=in_wave)
+    tl.store(moved_ptr + own, moved, mask=in_wave)
+
+
+@triton.jit
+def _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t, valid, wave_steps, CHUNKS: tl.constexpr):
+    """The monitor's sums over all dims at the steps ``t [BLOCK_W]`` of the heads ``head_rows [BLOCK_G]``
+    (``valid [BLOCK_G, BLOCK_W]``; elsewhere 0): the chunks' sums added in chunk order, and ``1 / l``
+    (``_inverse_total`` of chunk 0's totals)."""
+    squares = tl.zeros(valid.shape, tl.float32)
+    moved = tl.zeros(valid.shape, tl.float32)
+    for chunk in tl.static_range(CHUNKS):
+        own = (head_rows[:, None] * CHUNKS + chunk) * wave_steps + t[None, :]
+        squares += tl.load(squares_ptr + own, mask=valid, other=0.0)
+        moved += tl.load(moved_ptr + own, mask=valid, other=0.0)
+    total = tl.load(state_l_ptr + head_rows[:, None] * CHUNKS * wave_steps + t[None, :], mask=valid, other=0.0)
+    return squares, moved, _inverse_total(total)
+
+
+@triton.jit
+def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid, steps, tau, phi, patience,
+                      first_counted, wave_steps, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr,
+                      PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                      USE_DIRECTION: tl.constexpr):
+    """Each head's first done step ``[BLOCK_G]`` (``BLOCK_W + 1``: none in the wave) of the heads ``head_rows``
+    (``head_valid``): the walk's test (``_stable_step``) of every step at once, the norm before each step being the
+    norm after the step before (0 before the first), then the stable runs as a running maximum of the last unstable
+    step."""
+    t = tl.arange(0, BLOCK_W)
+    in_wave = head_valid[:, None] & (t < steps)[None, :]
+    before = in_wave & (t > 0)[None, :]
+    steps_2d = tl.broadcast_to(t[None, :], in_wave.shape)
+    zeros = tl.zeros(in_wave.shape, tl.int32)
+    squares, moved, inv_l = _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t - 1, before, wave_steps,
+                                       CHUNKS)
+    norm_before, _, _ = _stable_step(squares, moved, inv_l, tl.zeros(in_wave.shape, tl.float32), zeros, zeros,
+                                     steps_2d, first_counted, tau, phi, patience, PROBE_OUTPUT, RELATIVE, USE_SCALE,
+                                     USE_DIRECTION)
+    squares, moved, inv_l = _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t, in_wave, wave_steps, CHUNKS)
     # each step's stable test (a run counter of 1 from 0), then its stable run: steps since the last unstable one
-    _, stable, _ = _probe_update(acc_before, total_before, acc, total, norm_before, zeros, zeros, t, first_counted,
-                                 tau, phi, patience, probe_mask, PROBE_OUTPUT, PROBE_MMA, RELATIVE, USE_SCALE,
-                                 USE_DIRECTION)
-    last_unstable = tl.associative_scan(tl.where(stable > 0, -1, t), 0, _maximum)
-    done = in_wave & (t - last_unstable >= patience)
-    tl.store(head_done_ptr + bh * GROUP + head, tl.min(tl.where(done, t, BLOCK_W + 1), 0))
+    _, stable, _ = _stable_step(squares, moved, inv_l, norm_before, zeros, zeros, steps_2d, first_counted, tau, phi,
+                                patience, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)
+    last_unstable = tl.associative_scan(tl.where(stable > 0, -1, steps_2d), 1, _maximum)
+    done = in_wave & (steps_2d - last_unstable >= patience)
+    return tl.min(tl.where(done, steps_2d, BLOCK_W + 1), 1)
 
 
-@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
-def wave_finish_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, head_done_ptr, seqlens_ptr, out_ptr, lse_ptr,
-                       wave_done_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps, stride_ob, stride_oh,
-                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                       RAGGED: tl.constexpr):
-    """Grid ``(B * Hkv,)``: the pair's stop, and its output where the wave finished it (module docstring)."""
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS)
+def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr, seqlens_ptr, out_ptr,
+                       lse_ptr, wave_done_ptr, sm_scale, tau, phi, patience, first_counted, num_kv_heads, uniform_len,
+                       wave_steps, stride_ob, stride_oh,
+                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr,
+                       PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
+                       USE_DIRECTION: tl.constexpr):
+    """Grid ``(B * Hkv,)``: the pair's heads judged, its stop, and its output where the wave finished it (module
+    docstring)."""
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
     seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     steps = tl.minimum(num_blocks, wave_steps).to(tl.int32)
+    chunks: tl.constexpr = HEAD_DIM // DIM_CHUNK
     stop = (bh * 0).to(tl.int32)
     for g0 in tl.static_range(0, GROUP, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
-        stop = tl.maximum(stop, tl.max(tl.load(head_done_ptr + bh * GROUP + g, mask=g < GROUP, other=0), 0))
+        valid = g < GROUP
+        first_done = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, bh.to(tl.int64) * GROUP + g, valid, steps,
+                                       tau, phi, patience, first_counted, wave_steps, BLOCK_W, chunks, PROBE_OUTPUT,
+                                       RELATIVE, USE_SCALE, USE_DIRECTION)
+        stop = tl.maximum(stop, tl.max(tl.where(valid, first_done, 0), 0))
     # a walk that lies in the wave without stopping ends at its last block: the dense output
     finished = (stop < steps) | (steps == num_blocks)
     stop = tl.minimum(stop, steps - 1)
@@ -194,10 +245,11 @@ def wave_finish_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, head_done_ptr, seql
         for g0 in tl.static_range(0, GROUP, BLOCK_G):
             g = g0 + tl.arange(0, BLOCK_G)
             valid = g < GROUP
-            slots = (bh.to(tl.int64) * GROUP + g) * wave_steps + stop
+            head_rows = bh.to(tl.int64) * GROUP + g
+            slots = head_rows * wave_steps + stop
             acc = tl.load(part_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-            total = tl.load(part_l_ptr + slots, mask=valid, other=0.0)
-            running = tl.load(part_m_ptr + slots, mask=valid, other=0.0)
+            total = tl.load(state_l_ptr + head_rows * chunks * wave_steps + stop, mask=valid, other=0.0)
+            running = tl.load(state_m_ptr + slots, mask=valid, other=0.0)
             empty = total == 0.0
             safe = tl.where(empty, 1.0, total)
             heads = (kv_head * GROUP + g).to(tl.int64)

@@ -38,9 +38,11 @@ def _walks_and_results(q, k, v, config, wave_steps, **kwargs):
 @pytest.mark.parametrize("wave_steps", [3, 10])
 def test_stop_steps_and_outputs_match_the_simulator(wave_steps):
     """A wave shorter than the earliest stop and one around the stops: each pair's result steps are the simulator's
-    stop + 1 and its output the simulator's, whether the wave or the walk after it finished it."""
+    stop + 1 and its output the simulator's, whether the wave or the walk after it finished it.  The monitor takes
+    the dims in chunks (``WAVE_DIM_CHUNK``): two at D = 64, four at D = 128."""
     cases = [synthetic_inputs(3, 8, 2, 2400, 64, torch.float32, CPU, seed=seed) + (None,) for seed in range(2)]
     cases.append(synthetic_inputs(2, 6, 2, 1500, 64, torch.float16, CPU, seed=7, preset="peaked") + (None,))
+    cases.append(synthetic_inputs(2, 8, 2, 1200, 128, torch.float32, CPU, seed=5) + (None,))
     assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS, wave_steps=wave_steps), f"wave of {wave_steps}")
 
 
