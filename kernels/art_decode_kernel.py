@@ -642,7 +642,7 @@ def art_decode_split_kernel(
     slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr`` (int32 ``[B * Hkv]``,
     ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.  ``WAVE`` (``wave_ptr [B * Hkv]``
     int32, ``wave_steps``; unused otherwise): the call ran the wave of ``wave_steps`` steps first
-    (``kernels.art_wave``): a pair it finished (``wave_ptr`` > 0) walks nothing here and its programs write no
+    (``kernels.art_wave``): the programs of a pair it finished (``wave_ptr`` > 0) leave at once and write no
     output, and every leader counts the wave's ``min(num_blocks, wave_steps)`` blocks in its ``steps``.  Not with
     ``PAIR_GATES`` or ``ON_DEMAND``.
 
@@ -682,6 +682,12 @@ def art_decode_split_kernel(
     kv_head = bh % num_kv_heads
     seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    if WAVE:
+        # a pair the wave finished has its output: its programs leave at once, the leader counting the wave's blocks
+        if tl.load(wave_ptr + bh) > 0:
+            tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split,
+                     tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0).to(tl.int32))
+            return
     # page descriptors read a page's slots past the length: the step that holds them runs apart (_tail_step)
     PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"
     tail = _tail_step(seqlen, num_blocks, BLOCK_N, SINK_RECENCY)
@@ -711,10 +717,6 @@ def art_decode_split_kernel(
     end = start + base + (split >= longer_from).to(base.dtype)
     if DEFERRED or PAIR_GATES or ON_DEMAND:
         start = tl.where(split == 0, 0, start)
-    if WAVE:
-        # a pair the wave finished has its output: an empty range, and no output or arrival below
-        wave_result = tl.load(wave_ptr + bh)
-        end = tl.where(wave_result > 0, start, end)
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
@@ -889,18 +891,10 @@ def art_decode_split_kernel(
         # the leader counts the blocks the wave read for its pair
         visited += tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0)
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
-    # (the call twice, so that the builds without a wave compile exactly as before: no branch around the result)
-    if WAVE:
-        if wave_result == 0:
-            _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
-                          b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob,
-                          stride_oh, gate, num_blocks, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK,
-                          RECORD_KEPT, SINGLE_SPLIT, PAIR_GATES)
-    else:
-        _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
-                      b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
-                      gate, num_blocks, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK, RECORD_KEPT,
-                      SINGLE_SPLIT, PAIR_GATES)
+    _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
+                  b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,
+                  gate, num_blocks, ART, GROUP, BLOCK_G, HEAD_DIM, BLOCK_S, COMBINE_CHUNK, RECORD_KEPT,
+                  SINGLE_SPLIT, PAIR_GATES)
 
 
 @triton.jit
