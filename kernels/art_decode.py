@@ -389,7 +389,7 @@ scores times ``sm_scale * log2(e)`` minus the running maximum so scaled, one FMA
 ``tl.exp``, a non-flushing ``ex2`` with its denormal fix-up after a separate scale multiply, the monitored
 step took 611 instead of 526 instructions and 1.27 instead of 1.21 us), and the monitor tests
 are evaluated without division (``d_scale < tau`` as ``|n - n_old| < tau * n_old``, see
-``art_decode_kernel._probe_update``), so a probe that lands within rounding of a threshold
+``art_decode_kernel._stable_step``), so a probe that lands within rounding of a threshold
 can flip a stable/unstable decision; the tests count such stop steps (1 of 1568
 ``(b, kv_head)`` on the H200 in bf16, off by one step; none in the CPU interpreter).  The direction
 change ``1 - cos`` is computed from the change vector, ``(|x - x_old|^2 - (n - n_old)^2) / (2 n n_old)``,
@@ -414,9 +414,11 @@ synthetic caches, W = 48), the call's time against the default plan's: B = 1 x 3
 22.2 us, 8 x 32k / 128k 67.5 / 63.0 -> 59.2 / 58.6, the 64-dim cache (9 / 3 heads) at 8 x 32k 74.0 -> 22.5 and
 32 x 32k 51.1 -> 43.0; slower where many pairs share the bandwidth (16 x 32k 70.3 -> 107.3, 32 x 8k 136.3 -> 289.3),
 at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 % at 8 x 128k to +67 % at 1 x 8k).
-Since V83 its monitor runs at half the warps: the same at B = 1, 6-10 % faster at B = 8-32 (8 x 32k 59.5 -> 55.4 us).
-The wave's monitor is the walk's own step (``_probe_update``) over the scanned states, so its stops agree with the
-simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168 captured).
+Since V83 its monitor runs at half the warps: the same at B = 1, 6-10 % faster at B = 8-32 (8 x 32k 59.5 -> 55.4 us);
+since V91 one program per query head and 32 dims (not yet timed on a GPU).  The wave's monitor is the walk's own
+step over the scanned states (its sums, ``_probe_sums``, then its test, ``_stable_step``), so its stops agree with
+the simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168
+captured).
 Whether it pays depends on walks that only the data knows, so a call not told its walks never takes it; a call told
 each pair's walk (``pair_walks``, or a ``walk_hint``'s) takes the wave of :func:`kernels.split_plan.told_wave_steps`
 (the longest told walk and an eighth more) where that costs fewer lone steps than the longest walk or the dense walk,
