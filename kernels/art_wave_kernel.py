@@ -47,8 +47,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .art_decode_kernel import (_attend_block, _block_rows, _inverse_total, _load_tile, _probe_sums,
-                                _sequence_length, _stable_step)
+from .art_decode_kernel import (_attend_block, _inverse_total, _probe_sums, _sequence_length, _stable_step,
+                                _step_tiles)
 
 # integer arguments compiled as plain values (as art_decode_split_kernel's UNSPECIALISED_INTS): the thresholds and
 # the length
@@ -81,16 +81,10 @@ def wave_attend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr, part_m_ptr, 
         heads = kv_head * GROUP + rows
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + dims[None, :],
                     mask=row_valid[:, None], other=0.0)
-        valid, k_rows, v_rows, lead, first_row = _block_rows(
-            step, num_blocks, b, kv_head, seqlen, table_ptr, stride_table_b, PAGE_SIZE,
-            stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt, BLOCK_N, SINK_RECENCY, PAGED)
-        # V's loads before K's: both tiles in flight at once.  Taken K first (as the walk's _step_tiles), the build
-        # stages K in shared memory, waiting for its data, before it issues V's loads: two memory round trips in a
-        # row (sm_90 SASS, NOTES V91)
-        v = _load_tile(v_ptr, v_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, "pointers")
-        k = _load_tile(k_ptr, k_rows, valid, lead, first_row, kv_head, BLOCK_N, HEAD_DIM, "pointers")
-        m, l, acc = _attend_block(q, m, l, acc, (k,), (v,), (valid,), sm_scale * 1.4426950408889634, DOT_PRECISION,
-                                  True)
+        valids, ks, vs = _step_tiles(step, num_blocks, b, kv_head, seqlen, k_ptr, v_ptr, table_ptr, stride_table_b,
+                                     PAGE_SIZE, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
+                                     BLOCK_N, HEAD_DIM, SINK_RECENCY, PAGED, "pointers", True)
+        m, l, acc = _attend_block(q, m, l, acc, ks, vs, valids, sm_scale * 1.4426950408889634, DOT_PRECISION, True)
         # a block whose scores are all -inf (an infinite key) adds nothing where the walk has a finite maximum, but
         # from an empty state its exp(-inf - -inf) is NaN: its partial state is the empty one
         blank = m == float("-inf")
