@@ -17,7 +17,7 @@ from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monito
 MAX_WAVE_STEPS = 128       # the monitor holds [W, DIM_CHUNK] fp32 tiles: 91 registers at 128 steps, no spill
 WAVE_HEADS = 16            # query heads a finishing program writes at once
 WAVE_WARPS = 4
-# dims of a head per monitor program: its [W, 32] tiles take 832 sm_90 instructions at W = 48 (53 registers), the
+# dims of a head per monitor program: its [W, 32] tiles take 840 sm_90 instructions at W = 48 (53 registers), the
 # [W, 128] tiles of one program per head 3,376 (255 registers); the finish sums the chunks' sums (NOTES V91)
 WAVE_DIM_CHUNK = 32
 

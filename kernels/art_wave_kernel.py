@@ -25,7 +25,7 @@ walk is shorter) ends after one parallel read and two short evaluations; it read
   monitor sums (``art_decode_kernel._probe_sums``) then take every step at once over the chunk's dims, the rows of
   its tiles being the steps, into ``squares`` and ``moved`` (laid out as ``state_l``).  A head's ``[W, D]`` tiles in
   one program took 3,376 sm_90 instructions at ``W = 48``, ``D = 128``, issued one at a time by one warp per
-  scheduler (NOTES V88, V89); in chunks of 32 dims, 832 per program (V91).
+  scheduler (NOTES V88, V89); in chunks of 32 dims, 840 per program (V91).
 * ``wave_finish_kernel``, grid ``(B * Hkv,)``: the chunks' sums added per head and step, and the walk's test
   (``art_decode_kernel._stable_step``) of every step of every head at once: the probe's norm before each step (that
   after the step before, as the walk carries it), then each step's stable test.  A head's stable runs are a running
@@ -108,14 +108,13 @@ def _linear_recurrence(alpha_a, x_a, alpha_b, x_b):
 
 
 @triton.jit
-def _frame_weights(part_m_ptr, slots, t, in_wave, score_log2):
-    """``(M, alpha, beta)`` over the steps ``t [BLOCK_W]`` of one head (``slots``: their rows of ``part_m``; module
-    docstring): the running maximum and the rescalings of the previous state and of each block; a step outside the
-    wave keeps the state (``alpha = 1``, ``beta = 0``)."""
-    m = tl.load(part_m_ptr + slots, mask=in_wave, other=float("-inf"))
+def _frame_weights(m, m_before, t, in_wave, score_log2):
+    """``(M, alpha, beta)`` over the steps ``t [BLOCK_W]`` of one head (module docstring) from the blocks' maxima
+    ``m`` and those of the step before ``m_before`` (``-inf`` outside the wave and before the first step): the running
+    maximum and the rescalings of the previous state and of each block; a step outside the wave keeps the state
+    (``alpha = 1``, ``beta = 0``)."""
     running = tl.associative_scan(m, 0, _maximum)
-    before = tl.associative_scan(tl.load(part_m_ptr + slots - 1, mask=in_wave & (t > 0), other=float("-inf")), 0,
-                                 _maximum)
+    before = tl.associative_scan(m_before, 0, _maximum)
     alpha = tl.where((t == 0) | ~in_wave, 1.0, tl.exp2((before - running) * score_log2))
     beta = tl.where(in_wave, tl.exp2((m - running) * score_log2), 0.0)
     return running, alpha, beta
@@ -142,9 +141,13 @@ def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state
     rows = slots[:, None] * HEAD_DIM + dims[None, :]
     own = (head_row * (HEAD_DIM // DIM_CHUNK) + chunk) * wave_steps + t     # this chunk's rows of the sums
     score_log2 = sm_scale * 1.4426950408889634
-    running, alpha, beta = _frame_weights(part_m_ptr, slots, t, in_wave, score_log2)
+    # the blocks' states loaded before any is used (loaded where used, each of the first three loads waited for the
+    # one before: four round trips to memory before the barrier below, now two in the sm_90 build)
+    m = tl.load(part_m_ptr + slots, mask=in_wave, other=float("-inf"))
+    m_before = tl.load(part_m_ptr + slots - 1, mask=in_wave & (t > 0), other=float("-inf"))
     l = tl.load(part_l_ptr + slots, mask=in_wave, other=0.0)
     a = tl.load(part_acc_ptr + rows, mask=in_wave[:, None], other=0.0)
+    running, alpha, beta = _frame_weights(m, m_before, t, in_wave, score_log2)
     _, total = tl.associative_scan((alpha, beta * l), 0, _linear_recurrence)
     _, acc = tl.associative_scan((tl.broadcast_to(alpha[:, None], a.shape), beta[:, None] * a), 0, _linear_recurrence)
     # the state after each step: the chunk's accumulators in place of the blocks' (no other program reads them), the
@@ -173,13 +176,18 @@ def _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t, valid, wave_st
     """The monitor's sums over all dims at the steps ``t [BLOCK_W]`` of the heads ``head_rows [BLOCK_G]``
     (``valid [BLOCK_G, BLOCK_W]``; elsewhere 0): the chunks' sums added in chunk order, and ``1 / l``
     (``_inverse_total`` of chunk 0's totals)."""
-    squares = tl.zeros(valid.shape, tl.float32)
-    moved = tl.zeros(valid.shape, tl.float32)
-    for chunk in tl.static_range(CHUNKS):
+    chunk_squares = ()
+    chunk_moved = ()
+    for chunk in tl.static_range(CHUNKS):      # every load before the first add (no 0 + x to wait on either)
         own = (head_rows[:, None] * CHUNKS + chunk) * wave_steps + t[None, :]
-        squares += tl.load(squares_ptr + own, mask=valid, other=0.0)
-        moved += tl.load(moved_ptr + own, mask=valid, other=0.0)
+        chunk_squares = chunk_squares + (tl.load(squares_ptr + own, mask=valid, other=0.0),)
+        chunk_moved = chunk_moved + (tl.load(moved_ptr + own, mask=valid, other=0.0),)
     total = tl.load(state_l_ptr + head_rows[:, None] * CHUNKS * wave_steps + t[None, :], mask=valid, other=0.0)
+    squares = chunk_squares[0]
+    moved = chunk_moved[0]
+    for chunk in tl.static_range(1, CHUNKS):
+        squares += chunk_squares[chunk]
+        moved += chunk_moved[chunk]
     return squares, moved, _inverse_total(total)
 
 
@@ -197,12 +205,13 @@ def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid
     before = in_wave & (t > 0)[None, :]
     steps_2d = tl.broadcast_to(t[None, :], in_wave.shape)
     zeros = tl.zeros(in_wave.shape, tl.int32)
-    squares, moved, inv_l = _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t - 1, before, wave_steps,
-                                       CHUNKS)
-    norm_before, _, _ = _stable_step(squares, moved, inv_l, tl.zeros(in_wave.shape, tl.float32), zeros, zeros,
-                                     steps_2d, first_counted, tau, phi, patience, PROBE_OUTPUT, RELATIVE, USE_SCALE,
-                                     USE_DIRECTION)
+    # both steps' sums loaded before either is used
+    squares_before, moved_before, inv_l_before = _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t - 1,
+                                                            before, wave_steps, CHUNKS)
     squares, moved, inv_l = _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t, in_wave, wave_steps, CHUNKS)
+    norm_before, _, _ = _stable_step(squares_before, moved_before, inv_l_before, tl.zeros(in_wave.shape, tl.float32),
+                                     zeros, zeros, steps_2d, first_counted, tau, phi, patience, PROBE_OUTPUT, RELATIVE,
+                                     USE_SCALE, USE_DIRECTION)
     # each step's stable test (a run counter of 1 from 0), then its stable run: steps since the last unstable one
     _, stable, _ = _stable_step(squares, moved, inv_l, norm_before, zeros, zeros, steps_2d, first_counted, tau, phi,
                                 patience, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)

@@ -1,4 +1,5 @@
-"""The instruction schedule of a compiled kernel's MMA loops, read from its SASS (Hopper, sm_90).
+"""The instruction schedule of a compiled kernel, read from its SASS (Hopper, sm_90): its MMA loops, and the round
+trips to memory of its straight-line loads.
 
 A monitored walk alone on its multiprocessor is latency-bound: one step is a chain of dependent instructions (the
 ``q K^T`` MMAs, the softmax, the ``P V`` MMAs, the monitor), so its time follows the cycles the step's loop stalls
@@ -10,6 +11,10 @@ serialised (1721 stall cycles per step against 1313 for the single walk) and wal
 1.19 (``benchmarks/NOTES-art-decode.md``, V54), until the leader's horizon was carried from one chunk to the next
 (V57: 1370 stall cycles).  :func:`mma_loop_schedules` reads the loops; the GPU tests check that the default plan's
 builds and the on-demand plan's keep their chains interleaved.
+
+A kernel without a loop that waits on memory (the wave's, ``kernels.art_wave_kernel``) takes as many memory
+latencies as its loads take round trips: a warp issues in order, so an instruction that reads a loaded register
+waits for that load, and every load after it starts a new round trip.  :func:`load_round_trips` counts them.
 
 Control bits (Volta and newer, the high 64-bit word of each 128-bit instruction): stall cycles in bits 41-44.
 """
@@ -26,6 +31,9 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);\s*/\* (0x[0-9a-f]{1
 _CONTROL = re.compile(r"/\* (0x[0-9a-f]{16}) \*/")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+_REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
+_LOAD_WIDTH = {"64": 2, "128": 4}        # registers an LDG.E.64 / .128 writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +92,41 @@ def mma_loop_schedules(cubin: bytes) -> list[LoopSchedule]:
                                           mmas=len(mma_stalls),
                                           serialised_mmas=sum(s >= SERIALISED_MMA_STALL for s in mma_stalls)))
     return schedules
+
+
+def _registers(operands: str) -> set[int]:
+    """The general registers an operand list names (a ``.64`` pair counts both)."""
+    named = set()
+    for found in _REGISTER.finditer(operands):
+        first = int(found.group(1))
+        named |= {first, first + 1} if found.group(2) else {first}
+    return named
+
+
+def round_trips(instructions: list[str]) -> list[int]:
+    """The global loads (``LDG``) of straight-line SASS ``instructions`` (texts, in issue order), per round trip to
+    memory: a new round trip starts at the first load after an instruction that reads a register an earlier load of
+    the current round trip writes (or a load whose address does).  Branches are read as straight-line code."""
+    trips, pending = [], set()
+    for text in instructions:
+        body = _PREDICATE.sub("", text.strip())
+        opcode, _, operands = body.partition(" ")
+        first, _, rest = operands.partition(",")
+        is_load = opcode.startswith("LDG")
+        writes_first = not opcode.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "EXIT")) and _REGISTER.fullmatch(
+            first.strip().removesuffix(".reuse")) is not None
+        reads = _registers(rest) if writes_first else _registers(operands)
+        if reads & pending:
+            pending = set()
+        if is_load:
+            if not pending:
+                trips.append(0)
+            trips[-1] += 1
+            destination = int(_REGISTER.match(first.strip()).group(1))
+            pending |= set(range(destination, destination + _LOAD_WIDTH.get(opcode.rsplit(".", 1)[-1], 1)))
+    return trips
+
+
+def load_round_trips(cubin: bytes) -> list[int]:
+    """:func:`round_trips` of ``cubin``'s instructions in address order."""
+    return round_trips([text for _, text, _, _ in sass_with_control(cubin)])

@@ -245,45 +245,94 @@ def test_gpu_default_plan_builds_interleave_the_step_mmas(record_decode_launches
         assert schedules and all(loop.serialised_mmas <= 2 for loop in schedules), (label, schedules)
 
 
+WAVE_KERNELS = ("wave_attend_kernel", "wave_monitor_kernel", "wave_finish_kernel")
+
+
+def _wave_launches(monkeypatch, calls) -> dict[str, list[dict]]:
+    """The compile requests (``_compile_request``) of each ``kernels.art_wave`` kernel's launches in the ``art_decode``
+    ``calls`` (``(q, k, v, keywords)``; the split kernel is not launched), by kernel name, in call order."""
+    import kernels.art_wave as art_wave_module
+    from conftest import KernelLaunches
+
+    recorded = {}
+    for name in WAVE_KERNELS:
+        recorded[name] = KernelLaunches(getattr(art_wave_module, name), forward=False)
+        monkeypatch.setattr(art_wave_module, name, recorded[name])
+    monkeypatch.setattr("kernels.art_decode.art_decode_split_kernel", KernelLaunches(None, forward=False))
+    for q, k, v, keywords in calls:
+        art_decode(q, k, v, **keywords)
+    requests = {}
+    for name, kernel_launches in recorded.items():
+        kernel = getattr(art_wave_kernel, name)
+        requests[name] = [{**_compile_request(f"{name} {number}", kernel.arg_names, call, WAVE_UNSPECIALISED_INTS),
+                           "module": "art_wave_kernel", "kernel": name}
+                          for number, call in enumerate(kernel_launches.calls)]
+    return requests
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="needs Triton's CUDA backend (ptxas ships with the triton wheel)")
 def test_the_wave_kernels_compile_for_sm90(monkeypatch):
     """The three kernels of ``kernels.art_wave`` compile for sm_90: contiguous and paged, uniform and ragged, both
     orders, groups of 1, 4 and 20 query heads (a finishing program writes 16 at once), D = 64 and 128, and each
     monitor build (output or accumulator probe, all or MMA dims, relative or absolute scale, each direction build)."""
-    import kernels.art_wave as art_wave_module
-    from conftest import KernelLaunches
-
-    recorded = {}
-    for name in ("wave_attend_kernel", "wave_monitor_kernel", "wave_finish_kernel"):
-        recorded[name] = KernelLaunches(getattr(art_wave_module, name), forward=False)
-        monkeypatch.setattr(art_wave_module, name, recorded[name])
-    monkeypatch.setattr("kernels.art_decode.art_decode_split_kernel", KernelLaunches(None, forward=False))
     configs = [ARTConfig(), ARTConfig(probe_source="accumulator", probe_dims="mma", scale="absolute", phi=0.0),
                ARTConfig(use_direction=False, phi=2.0)]
-    calls = [(1, 1, 64, dict(order="sequential")), (32, 8, 128, {}), (20, 1, 64, dict(ragged=True)),
-             (8, 2, 128, dict(paged=True, ragged=True))]
-    labels = []
-    for index, (q_heads, kv_heads, head_dim, layout) in enumerate(calls):
-        config = configs[index % len(configs)]
+    layouts = [(1, 1, 64, dict(order="sequential")), (32, 8, 128, {}), (20, 1, 64, dict(ragged=True)),
+               (8, 2, 128, dict(paged=True, ragged=True))]
+    calls = []
+    for index, (q_heads, kv_heads, head_dim, layout) in enumerate(layouts):
         q = torch.zeros(2, q_heads, head_dim, dtype=torch.bfloat16)
         k = torch.zeros(2, kv_heads, 1024, head_dim, dtype=torch.bfloat16)
-        keywords = {"order": layout.get("order", "sink_recency")}
+        keywords = {"order": layout.get("order", "sink_recency"), "wave_steps": 2, "num_splits": 1,
+                    "art": configs[index % len(configs)].kernel_params()}
         if layout.get("paged"):
             k = torch.zeros(2 * 1024 // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16)
             keywords["block_table"] = torch.arange(2 * 1024 // 16, dtype=torch.int32).view(2, -1)
         if layout.get("ragged"):
             keywords["cache_seqlens"] = torch.tensor([1024, 100], dtype=torch.int32)
-        art_decode(q, k, k.clone(), art=config.kernel_params(), wave_steps=2, num_splits=1, **keywords)
-        labels.append(f"{q_heads}/{kv_heads} heads, D {head_dim}, {layout or 'contiguous'}")
-    launches = []
-    for name, kernel_launches in recorded.items():
-        kernel = getattr(art_wave_kernel, name)
-        for label, call in zip(labels, kernel_launches.calls):
-            launch = _compile_request(f"{name}: {label}", kernel.arg_names, call, WAVE_UNSPECIALISED_INTS)
-            launches.append({**launch, "module": "art_wave_kernel", "kernel": name})
+        calls.append((q, k, k.clone(), keywords))
+    launches = [launch for requests in _wave_launches(monkeypatch, calls).values() for launch in requests]
     done = _compile_for_sm90(launches)
-    assert done.stdout.count("SASS bytes") == 3 * len(calls), done.stdout
+    assert done.stdout.count("SASS bytes") == 3 * len(layouts), done.stdout
+
+
+def test_round_trips_split_the_loads_at_each_use_of_a_loaded_register():
+    from kernels.step_schedule import round_trips
+
+    listing = ["@!P1 LDG.E.128 R4, desc[UR6][R2.64]",       # R4-R7
+               "@P0 LDG.E R8, desc[UR6][R2.64+0x10]",
+               "FSETP.GT.AND P4, PT, |R12|, 1, PT",          # reads no loaded register
+               "FADD R9, RZ, R10",
+               "FSETP.GEU.AND P5, PT, |R7|, 1, PT",          # reads R7 (the first load): a new round trip
+               "LDG.E R10, desc[UR6][R2.64+0x20]",
+               "STS [R1], R8",                               # a store reads all of its operands
+               "LDG.E.64 R12, desc[UR6][R10.64]",            # its address is the load before
+               "FADD R14, R12, R13"]
+    assert round_trips(listing) == [2, 1, 1]
+    assert round_trips(listing[:4]) == [2]
+    assert round_trips(["FADD R1, R2, R3"]) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="needs Triton's CUDA backend (nvdisasm ships with the triton wheel)")
+def test_the_wave_kernels_load_in_few_round_trips(monkeypatch, tmp_path):
+    """At the told wave's shape (W = 48, D = 128, group 4, ``ARTConfig()``) the sm_90 builds of the wave wait on memory
+    no more often than their loads need (``kernels.step_schedule.load_round_trips``): the read takes 2 round trips
+    (q and K, then V: K's store to shared memory waits for K), the monitor 3 (the blocks' states, which its scans of
+    the maxima split once, then the states before each step after its barrier; used as loaded, its first loads took
+    five) and the finish 3 (the chunks' sums of both steps, then the rows at the stop; summed as loaded, four)."""
+    from kernels.step_schedule import load_round_trips
+
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 8, 48 * 64, 128, dtype=torch.bfloat16)
+    requests = _wave_launches(monkeypatch, [(q, k, k.clone(), dict(art=ARTConfig().kernel_params(), wave_steps=48,
+                                                                    num_splits=1))])
+    launches = [{**requests[name][0], "cubin": str(tmp_path / f"{name}.cubin")} for name in WAVE_KERNELS]
+    _compile_for_sm90(launches)
+    trips = {name: load_round_trips((tmp_path / f"{name}.cubin").read_bytes()) for name in WAVE_KERNELS}
+    limits = {"wave_attend_kernel": 2, "wave_monitor_kernel": 3, "wave_finish_kernel": 3}
+    assert all(len(trips[name]) <= limits[name] for name in WAVE_KERNELS), trips
 
 
 def test_the_unspecialised_ints_name_the_kernels_arguments():
