@@ -104,15 +104,17 @@ def _registers(operands: str) -> set[int]:
 
 
 def round_trips(instructions: list[str]) -> list[int]:
-    """The global loads (``LDG``) of straight-line SASS ``instructions`` (texts, in issue order), per round trip to
-    memory: a new round trip starts at the first load after an instruction that reads a register an earlier load of
-    the current round trip writes (or a load whose address does).  Branches are read as straight-line code."""
+    """The global loads into registers (``LDG``) of straight-line SASS ``instructions`` (texts, in issue order), per
+    round trip to memory: a new round trip starts at the first load after an instruction that reads a register an
+    earlier load of the current round trip writes (or a load whose address does).  Branches are read as
+    straight-line code, so a loop's loads count once; TMA copies (``UTMALDG``) and copies to shared memory
+    (``LDGSTS``) are not counted."""
     trips, pending = [], set()
     for text in instructions:
         body = _PREDICATE.sub("", text.strip())
         opcode, _, operands = body.partition(" ")
         first, _, rest = operands.partition(",")
-        is_load = opcode.startswith("LDG")
+        is_load = opcode.split(".")[0] == "LDG"       # not LDGSTS (to shared memory) or LDGDEPBAR
         writes_first = not opcode.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "EXIT")) and _REGISTER.fullmatch(
             first.strip().removesuffix(".reuse")) is not None
         reads = _registers(rest) if writes_first else _registers(operands)

@@ -308,7 +308,9 @@ def test_round_trips_split_the_loads_at_each_use_of_a_loaded_register():
                "LDG.E R10, desc[UR6][R2.64+0x20]",
                "STS [R1], R8",                               # a store reads all of its operands
                "LDG.E.64 R12, desc[UR6][R10.64]",            # its address is the load before
-               "FADD R14, R12, R13"]
+               "FADD R14, R12, R13",
+               "LDGSTS.E.BYPASS.128 [R20], desc[UR6][R2.64]",  # a copy to shared memory: not a load to registers
+               "@UP0 UTMALDG.2D [UR24], [UR12]"]
     assert round_trips(listing) == [2, 1, 1]
     assert round_trips(listing[:4]) == [2]
     assert round_trips(["FADD R1, R2, R3"]) == []
