@@ -39,12 +39,12 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
     pairs = batch * kv_heads
     paged = block_table is not None
     device = q.device
-    chunk = min(WAVE_DIM_CHUNK, head_dim)
+    chunks = head_dim // WAVE_DIM_CHUNK       # D is 64 or 128 (the launcher's HEAD_DIMS)
     part_m = torch.empty(pairs * group * wave_steps, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
     state_m = torch.empty_like(part_m)
     part_acc = torch.empty(pairs * group * wave_steps * head_dim, dtype=torch.float32, device=device)
-    state_l = torch.empty(pairs * group * (head_dim // chunk) * wave_steps, dtype=torch.float32, device=device)
+    state_l = torch.empty(pairs * group * chunks * wave_steps, dtype=torch.float32, device=device)
     squares = torch.empty_like(state_l)
     moved = torch.empty_like(state_l)
     wave_done = torch.empty(pairs, dtype=torch.int32, device=device)
@@ -60,16 +60,16 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, SINK_RECENCY=order == "sink_recency", RAGGED=ragged,
         DOT_PRECISION=dot_precision, num_warps=WAVE_WARPS, num_stages=1)
-    wave_monitor_kernel[(pairs, group, head_dim // chunk)](
+    wave_monitor_kernel[(pairs, group, chunks)](
         part_m, part_l, part_acc, state_m, state_l, squares, moved, lengths, sm_scale, kv_heads, max_len, wave_steps,
-        GROUP=group, BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=chunk, BLOCK_N=block_size, RAGGED=ragged,
+        GROUP=group, BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, PROBE_MMA=monitor.probe_dims == "mma", USE_DIRECTION=direction,
         num_warps=WAVE_WARPS, num_stages=1)
     wave_finish_kernel[(pairs,)](
         part_acc, state_m, state_l, squares, moved, lengths, out, lse, wave_done, sm_scale, float(monitor.tau),
         float(monitor.phi), int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=min(WAVE_HEADS, triton.next_power_of_2(group)),
-        BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=chunk, BLOCK_N=block_size, RAGGED=ragged,
+        BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale,
         USE_DIRECTION=direction, num_warps=WAVE_WARPS, num_stages=1)
     return wave_done
