@@ -402,7 +402,7 @@ cache, and beyond real models' bf16 or fp32 values by many orders of magnitude) 
 the simulator's does not yet (``|v|`` about ``1e19``): every step reads unstable, the walk reads the whole cache and
 returns the dense output; it never stops early.
 
-**The wave (``wave_steps``; ``kernels.art_wave``, NOTES V82, V84).**  A call cannot end before its longest walk
+**The wave (``wave_steps``; ``kernels.art_wave``, NOTES V82, V84, V92).**  A call cannot end before its longest walk
 at the lone pace, however few blocks it reads.  With ``wave_steps=W`` the call first attends the first ``W`` steps
 of every pair at once, one program per step, and recovers the walk's running state after each of them by
 linear-recurrence scans over the steps' partial states (in the frame of the running maximum, as the walk holds it);
@@ -415,16 +415,18 @@ synthetic caches, W = 48), the call's time against the default plan's: B = 1 x 3
 32 x 32k 51.1 -> 43.0; slower where many pairs share the bandwidth (16 x 32k 70.3 -> 107.3, 32 x 8k 136.3 -> 289.3),
 at 1 x 8k (20.2 -> 29.9), and where walks outlast the wave (never stopping: +4 % at 8 x 128k to +67 % at 1 x 8k).
 Since V83 its monitor runs at half the warps: the same at B = 1, 6-10 % faster at B = 8-32 (8 x 32k 59.5 -> 55.4 us);
-since V91 one program per query head and 32 dims (not yet timed on a GPU).  The wave's monitor is the walk's own
+since V91 one program per query head and 32 dims (V92, H100: 1 x 32k / 128k 22.3 / 21.9 -> 19.3 / 19.2 us, 8 x 32k
+55.2 -> 53.2).  The wave's monitor is the walk's own
 step over the scanned states (its sums, ``_probe_sums``, then its test, ``_stable_step``), so its stops agree with
 the simulator's as the walk's do (bf16 on the GPU: 1118 of 1120 synthetic pairs, two off by one; 168 of 168
 captured).
 Whether it pays depends on walks that only the data knows, so a call not told its walks never takes it; a call told
 each pair's walk (``pair_walks``, or a ``walk_hint``'s) takes the wave of :func:`kernels.split_plan.told_wave_steps`
 (the longest told walk and an eighth more) where that costs fewer lone steps than the longest walk or the dense walk,
-and then plans the walk after it as a call told only the longest (V84, ``-told-wave-ab-h100.json``: on an H100,
-synthetic B = 1 / 2 / 4 x 32k told each walk 54.3 / 61.2 / 61.9 -> 22.2 / 26.8 / 35.6 us, the SmolLM2 layer at
-1 x 128k 44.5 -> 19.5; no wave at 8k, where the dense walk ends first, nor at B = 16).  ``wave_steps=0`` refuses it.
+and then plans the walk after it as a call told only the longest (V92, ``-v92-ab-h100.json``: on an H100,
+synthetic B = 1 / 2 / 4 / 8 x 32k told each walk 53.0 / 60.9 / 61.6 / 62.8 -> 19.0 / 23.9 / 32.7 / 53.1 us, the
+SmolLM2 layer at 1 x 128k 43.4 -> 17.2; no wave at 1 x 8k, where the dense walk ends first, nor at B = 16).
+``wave_steps=0`` refuses it.
 
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
 and change the lengths in place between replays.  Inside a capture the launcher cannot read the lengths

@@ -66,11 +66,12 @@ PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this 
 PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
 PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
 # the wave a told call takes (told_wave_steps): its launches and evaluation, in lone steps beyond a told walk's own
-# fixed time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V84,
-# -told-wave-ab-h100.json: the wave took 14.5 / 17 lone steps and a block per 0.65 / 1.17 per multiprocessor at
-# D = 128 / 64, the told walk about 10.5 lone steps more than its longest walk or dense walk)
-WAVE_EXTRA_LONE_STEPS = {64: 6.5, 128: 4.0}
-WAVE_BLOCKS_PER_LONE_STEP = {64: 1.17, 128: 0.65}
+# fixed time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V92,
+# -v92-ab-h100.json: fitted as the rule's decision, within the values where it takes the faster arm in all 21 shapes
+# of that run and the 13 of V84's validation; by least squares the wave took 13.3 / 15.5 us and 1.76 / 0.74 us per
+# block per multiprocessor at D = 128 / 64, the told walk about 12-14 us more than its longest or dense walk)
+WAVE_EXTRA_LONE_STEPS = {64: 3.5, 128: 3.0}
+WAVE_BLOCKS_PER_LONE_STEP = {64: 1.2, 128: 0.9}
 WAVE_WALK_MARGIN = 8        # a told wave is the longest told walk and an eighth more (walks vary call to call), ...
 WAVE_STEP_MULTIPLE = 8      # ... rounded up to a multiple of 8 steps
 
@@ -376,16 +377,15 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone pace or the dense walk
     of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is neither shorter than
     its longest walk nor faster than the dense pace).  So it pays where few pairs walk long: the wave reads their
-    blocks at once.  H100 (V84, ``-told-wave-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 / 4 x 32k
-    told each walk took 22.2 / 26.8 / 35.6 us with the wave against 54.3 / 61.2 / 61.9 without it (the same at
-    128k), the 64-dim cache (9 / 3 heads) at B = 8 x 32k 22.8 against 47.3 and the SmolLM2 layer at 1 x 128k (walks
-    of up to 63 blocks, a wave of 72) 19.5 against 44.5; no wave at 8k (the dense walk ends first), at B = 16 or where
-    the walks outrun ``MAX_WAVE_STEPS`` (the SmolLM2 layer at B >= 8).  Refitted to that run, the rule takes the
-    faster of the two in 18 of its 21 shapes; the three others are close calls that it leaves to the walk (the wave
-    faster by 2 %, 6 % and, at the 64-dim B = 1 x 32k, 20 %: 16.6 against 19.8 us).  On 13 shapes the fit did not see
-    (``-told-wave-validation-h100.json``: B = 2-16 at 16k and 64k) it took the faster in 12 (the other 2.7 % slower),
-    e.g. B = 3 x 64k 62.3 -> 33.2 us, the 64-dim cache at 4 x 64k 77.1 -> 20.2, the SmolLM2 layer at 2 x 64k (a
-    wave of 96) 43.6 -> 21.3."""
+    blocks at once.  H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 / 4 / 8 x 32k
+    told each walk took 19.0 / 23.9 / 32.7 / 53.1 us with the wave against 53.0 / 60.9 / 61.6 / 62.8 without it
+    (the same at 128k), 4 / 8 x 8k 47.8 / 83.5 against 51.4 / 93.4, the 64-dim cache (9 / 3 heads) at B = 1 / 8 /
+    32 x 32k 15.5 / 21.2 / 41.5 against 19.7 / 47.0 / 47.7 and the SmolLM2 layer at 1 x 32k / 128k (walks of up to
+    65 / 63 blocks) 17.4 / 17.2 against 19.7 / 43.4; no wave at B = 16, at 1 / 2 x 8k (the dense walk about as
+    fast), or where the walks outrun ``MAX_WAVE_STEPS`` (the SmolLM2 layer at B >= 8).  The constants put the rule
+    on the faster arm in all 21 shapes of that run, and in the 13 of V84's validation (B = 2-16 at 16k and 64k,
+    ``-told-wave-validation-h100.json``, the earlier wave code; it refuses 12 x 16k, where the wave was 54 % slower);
+    they are the decision's fit, not the wave's pace (module constants)."""
     longest = int(sorted_walks[-1])
     steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
     if steps > MAX_WAVE_STEPS:

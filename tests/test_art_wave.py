@@ -196,11 +196,12 @@ def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_
     walks take it, a short cache (the dense walk is cheaper), many pairs and walks past ``MAX_WAVE_STEPS`` do not."""
     one_at_32k = [36, 37, 38, 39, 40, 40, 41, 42]
     assert told_wave_steps(one_at_32k, 512, 128, 132) == 48          # 42 + 5 + 1, rounded up to 8
-    assert told_wave_steps(one_at_32k * 8, 2048, 128, 132) == 48      # B = 8 x 128k: 39.8 lone steps against 42
-    assert told_wave_steps(one_at_32k, 128, 128, 132) == 0           # 8k: the dense walk ends first
+    assert told_wave_steps(one_at_32k * 8, 2048, 128, 132) == 48      # B = 8 x 128k: 28.9 lone steps against 42
+    assert told_wave_steps(one_at_32k[:-1] + [52], 128, 128, 132) == 0   # 1 x 8k: a wave of 64 (7.3) against the
+    assert told_wave_steps(one_at_32k * 4, 128, 128, 132) == 48       # dense walk (6.5); at 4 x 8k 15.9 against 25.9
     assert told_wave_steps(one_at_32k * 16, 512, 128, 132) == 0      # 128 pairs: the wave's reads cost more
     assert told_wave_steps([17] * 24, 512, 64, 132) == 24            # 17 + 2 + 1
-    assert told_wave_steps([5] * 24, 512, 64, 132) == 0              # shorter walks than the wave's fixed cost
+    assert told_wave_steps([4] * 24, 512, 64, 132) == 0              # shorter walks than the wave's fixed cost
     assert told_wave_steps([120] * 8, 4096, 128, 132) == 0           # a wave past MAX_WAVE_STEPS
     # the same walks on fewer multiprocessors read longer: the wave stops paying
     assert told_wave_steps(one_at_32k, 512, 128, 8) == 0

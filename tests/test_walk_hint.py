@@ -204,8 +204,9 @@ def test_on_demand_calls_record_each_pairs_blocks(record_decode_launches):
 
 def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_on_demand(fake_sms):
     """On 132 multiprocessors (the H200's), the simulator's walks of the synthetic 32/8 caches at 8k (ARTConfig(),
-    30-65 blocks, about together) never take on-demand followers from a hint, at B = 1 to 128; with a few pairs
-    walking the whole cache at B = 128 they do."""
+    30-65 blocks, about together) never take on-demand followers from a hint, at B = 1 to 128 (at B = 8 the told
+    wave, of 80 steps: 46.1 lone steps against the dense walk's 51.7; V92, on an H100: 83.5 against 93.4 us); with a
+    few pairs walking the whole cache at B = 128 they do."""
     from art_analysis.blockwise import blockwise_attention
     from art_analysis.termination import stop
 
@@ -218,7 +219,8 @@ def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_o
     assert 25 <= int(walks.min()) and int(walks.max()) <= 70
     for batch in (1, 8, 32, 128):
         tiled = PairWalks.from_walks(walks.repeat(max(1, batch // 2), 1)[:batch].contiguous())
-        assert hint_plan(tiled, 128, 128, cpu, ART) == {"pair_walks": tiled}, batch
+        expected = {"wave_steps": 80} if batch == 8 else {"pair_walks": tiled}
+        assert hint_plan(tiled, 128, 128, cpu, ART) == expected, batch
     lopsided = walks.repeat(64, 1)
     lopsided[:4] = 128
     assert "release_walks" in hint_plan(PairWalks.from_walks(lopsided), 128, 128, cpu, ART)
