@@ -820,7 +820,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             the other arguments plan runs for the other pairs only, from their first step.  A lone walk takes about
             1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
             blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's), with scratch of
-            ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128).  Not with
+            ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128; past
+            ``WAVE_STEP_TILE`` steps its monitor runs tile after tile, and such waves are not yet timed).  Not with
             ``pair_walks`` or ``release_walks``; with ``walk_hint``, the hint's walks plan nothing but the longest.
             0: no wave.  Default: none, except in a call told each pair's walk (``pair_walks``, or a ``walk_hint``'s
             where it plans the call), which takes the wave of :func:`kernels.split_plan.told_wave_steps` where that

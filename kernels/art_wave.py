@@ -5,6 +5,7 @@ monitor over them as scans, and writes ``out`` and ``lse`` of every pair it *fin
 all done within the wave (its stop is the walk's), or whose whole walk lies in it.  It returns each pair's result
 steps (0: not finished); ``art_decode_split_kernel`` then walks only the other pairs, from their first step, so
 that their blocks in the wave are read twice.  Every pair's wave reads ``min(W, blocks)`` blocks, also past its stop.
+A wave of more than ``WAVE_STEP_TILE`` steps (up to ``MAX_WAVE_STEPS``) is judged a tile of steps at a time.
 """
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import triton
 from .art_params import ARTParams
 from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
 
-MAX_WAVE_STEPS = 128       # the monitor holds [W, DIM_CHUNK] fp32 tiles: 91 registers at 128 steps, no spill
+MAX_WAVE_STEPS = 512       # a wave's steps: its workspace holds B * Hq * W * (D + 3 + 3 * D / 32) floats
+# steps the monitor and the finish take at a time ([W, DIM_CHUNK] fp32 tiles: 91 registers at 128 steps, no spill); a
+# longer wave runs them tile after tile, each after the state the tiles before it left (sm_90, Triton 3.9: monitor
+# 150 registers, finish 80-96, no spill)
+WAVE_STEP_TILE = 128
 WAVE_HEADS = 16            # query heads a finishing program writes at once
 WAVE_WARPS = 4
 # dims of a head per monitor program: its [W, 32] tiles take 840 sm_90 instructions at W = 48 (53 registers), the
@@ -52,7 +57,8 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
     table = block_table if paged else wave_done
     strides_k, strides_v = strides
     ragged = seqlens is not None
-    block_w = triton.next_power_of_2(wave_steps)
+    block_w = triton.next_power_of_2(min(wave_steps, WAVE_STEP_TILE))
+    step_chunks = wave_steps > block_w
     probe_output = monitor.probe_source == "output"
     wave_attend_kernel[(wave_steps, pairs)](
         q, k_cache, v_cache, table, lengths, part_m, part_l, part_acc, sm_scale, kv_heads, max_len, wave_steps,
@@ -64,12 +70,12 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
         part_m, part_l, part_acc, state_m, state_l, squares, moved, lengths, sm_scale, kv_heads, max_len, wave_steps,
         GROUP=group, BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, PROBE_MMA=monitor.probe_dims == "mma", USE_DIRECTION=direction,
-        num_warps=WAVE_WARPS, num_stages=1)
+        STEP_CHUNKS=step_chunks, num_warps=WAVE_WARPS, num_stages=1)
     wave_finish_kernel[(pairs,)](
         part_acc, state_m, state_l, squares, moved, lengths, out, lse, wave_done, sm_scale, float(monitor.tau),
         float(monitor.phi), int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads, max_len, wave_steps,
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=min(WAVE_HEADS, triton.next_power_of_2(group)),
         BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale,
-        USE_DIRECTION=direction, num_warps=WAVE_WARPS, num_stages=1)
+        USE_DIRECTION=direction, STEP_CHUNKS=step_chunks, num_warps=WAVE_WARPS, num_stages=1)
     return wave_done

@@ -25,7 +25,10 @@ walk is shorter) ends after one parallel read and two short evaluations; it read
   monitor sums (``art_decode_kernel._probe_sums``) then take every step at once over the chunk's dims, the rows of
   its tiles being the steps, into ``squares`` and ``moved`` (laid out as ``state_l``).  A head's ``[W, D]`` tiles in
   one program took 3,376 sm_90 instructions at ``W = 48``, ``D = 128``, issued one at a time by one warp per
-  scheduler (NOTES V88, V89); in chunks of 32 dims, 840 per program (V91).
+  scheduler (NOTES V88, V89); in chunks of 32 dims, 840 per program (V91).  A wave longer than one tile of steps
+  (``kernels.art_wave.WAVE_STEP_TILE``) is scanned a tile at a time, each tile starting from the running maximum,
+  total and accumulators after the tile before (they enter through its first step: ``X_t0 = alpha X_(t0-1) +
+  beta x_t0``).
 * ``wave_finish_kernel``, grid ``(B * Hkv,)``: the chunks' sums added per head and step, and the walk's test
   (``art_decode_kernel._stable_step``) of every step of every head at once: the probe's norm before each step (that
   after the step before, as the walk carries it), then each step's stable test.  A head's stable runs are a running
@@ -33,7 +36,8 @@ walk is shorter) ends after one parallel read and two short evaluations; it read
   stop is its last head's (group rule ``all``).  A pair that stops in the wave, or whose whole walk lies in it (it
   then returns the dense output), is *finished*: its ``out [B, Hq, D]`` and ``lse [B, Hq]`` are row ``stop`` of the
   scanned state (``A / L``; ``M * sm_scale + log L``) and ``wave_done [B * Hkv]`` (int32) holds its result steps
-  ``stop + 1``; any other pair gets 0 and is walked by ``art_decode_split_kernel`` from its first step.
+  ``stop + 1``; any other pair gets 0 and is walked by ``art_decode_split_kernel`` from its first step.  Tile
+  after tile in a long wave, each head's last unstable step carried from one to the next.
 
 The scans sum in another order than the walk, and each block's ``p`` is rounded to the value dtype against the
 block's own maximum rather than the running one, so the monitor's values agree with the walk's to rounding.  Where a
@@ -108,48 +112,50 @@ def _linear_recurrence(alpha_a, x_a, alpha_b, x_b):
 
 
 @triton.jit
-def _frame_weights(m, m_before, t, in_wave, score_log2):
+def _frame_weights(m, m_before, t, in_wave, score_log2, floor, CARRY: tl.constexpr):
     """``(M, alpha, beta)`` over the steps ``t [BLOCK_W]`` of one head (module docstring) from the blocks' maxima
     ``m`` and those of the step before ``m_before`` (``-inf`` outside the wave and before the first step): the running
     maximum and the rescalings of the previous state and of each block; a step outside the wave keeps the state
-    (``alpha = 1``, ``beta = 0``)."""
+    (``alpha = 1``, ``beta = 0``).  With ``CARRY`` the steps follow earlier ones whose running maximum is ``floor``."""
     running = tl.associative_scan(m, 0, _maximum)
     before = tl.associative_scan(m_before, 0, _maximum)
+    if CARRY:
+        running = tl.maximum(running, floor)
+        before = tl.maximum(before, floor)
     alpha = tl.where((t == 0) | ~in_wave, 1.0, tl.exp2((before - running) * score_log2))
     beta = tl.where(in_wave, tl.exp2((m - running) * score_log2), 0.0)
     return running, alpha, beta
 
 
-@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
-def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
-                        seqlens_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
-                        GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_CHUNK: tl.constexpr,
-                        BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
-                        PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr):
-    """Grid ``(B * Hkv, GROUP, HEAD_DIM // DIM_CHUNK)``: one query head's scanned states over one chunk of its dims,
-    and the monitor's sums over that chunk (module docstring; the switches as ``art_decode_split_kernel``'s)."""
-    bh = tl.program_id(0)
-    head = tl.program_id(1)
-    chunk = tl.program_id(2)
-    seqlen = _sequence_length(seqlens_ptr, bh // num_kv_heads, uniform_len, RAGGED)
-    steps = tl.minimum(tl.cdiv(seqlen, BLOCK_N), wave_steps)
-    t = tl.arange(0, BLOCK_W)
-    dims = chunk * DIM_CHUNK + tl.arange(0, DIM_CHUNK)
+@triton.jit
+def _monitor_steps(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
+                   head_row, chunk, wave_steps, steps, first_step, dims, score_log2, carry_m, carry_l, carry_acc,
+                   BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_CHUNK: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
+                   PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr, CARRY: tl.constexpr):
+    """The scanned states and the monitor's sums of one head's ``BLOCK_W`` steps from ``first_step`` over the dims
+    ``dims [DIM_CHUNK]`` (``wave_monitor_kernel``); with ``CARRY``, after the state of the steps before them (running
+    maximum ``carry_m``, total ``carry_l``, accumulators ``carry_acc [DIM_CHUNK]``).  Returns the state after the
+    last of these steps in the wave, as that carry."""
+    t = first_step + tl.arange(0, BLOCK_W)
     in_wave = t < steps
-    head_row = bh.to(tl.int64) * GROUP + head
     slots = head_row * wave_steps + t
     rows = slots[:, None] * HEAD_DIM + dims[None, :]
     own = (head_row * (HEAD_DIM // DIM_CHUNK) + chunk) * wave_steps + t     # this chunk's rows of the sums
-    score_log2 = sm_scale * 1.4426950408889634
     # the blocks' states loaded before any is used (loaded where used, each of the first three loads waited for the
     # one before: four round trips to memory before the barrier below, now two in the sm_90 build)
     m = tl.load(part_m_ptr + slots, mask=in_wave, other=float("-inf"))
     m_before = tl.load(part_m_ptr + slots - 1, mask=in_wave & (t > 0), other=float("-inf"))
     l = tl.load(part_l_ptr + slots, mask=in_wave, other=0.0)
     a = tl.load(part_acc_ptr + rows, mask=in_wave[:, None], other=0.0)
-    running, alpha, beta = _frame_weights(m, m_before, t, in_wave, score_log2)
-    _, total = tl.associative_scan((alpha, beta * l), 0, _linear_recurrence)
-    _, acc = tl.associative_scan((tl.broadcast_to(alpha[:, None], a.shape), beta[:, None] * a), 0, _linear_recurrence)
+    running, alpha, beta = _frame_weights(m, m_before, t, in_wave, score_log2, carry_m, CARRY)
+    weighted_l = beta * l
+    weighted_a = beta[:, None] * a
+    if CARRY:   # the state before the first of these steps enters through it: X_t0 = alpha X_(t0 - 1) + beta x
+        first = t == first_step
+        weighted_l += tl.where(first, alpha * carry_l, 0.0)
+        weighted_a += tl.where(first[:, None], alpha[:, None] * carry_acc[None, :], 0.0)
+    _, total = tl.associative_scan((alpha, weighted_l), 0, _linear_recurrence)
+    _, acc = tl.associative_scan((tl.broadcast_to(alpha[:, None], a.shape), weighted_a), 0, _linear_recurrence)
     # the state after each step: the chunk's accumulators in place of the blocks' (no other program reads them), the
     # totals (the same in every chunk) in the chunk's own rows; then the state before each step, from row t - 1
     tl.debug_barrier()       # every thread has read the blocks before any overwrites them
@@ -169,6 +175,42 @@ def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state
                                  PROBE_OUTPUT, PROBE_MMA, USE_DIRECTION)
     tl.store(squares_ptr + own, squares, mask=in_wave)
     tl.store(moved_ptr + own, moved, mask=in_wave)
+    last = t == tl.minimum(first_step + BLOCK_W, steps) - 1      # one row: the sums below are that row's values
+    return (tl.max(tl.where(last, running, float("-inf")), 0), tl.sum(tl.where(last, total, 0.0), 0),
+            tl.sum(tl.where(last[:, None], acc, 0.0), 0))
+
+
+@triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
+def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
+                        seqlens_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
+                        GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_CHUNK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
+                        PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr):
+    """Grid ``(B * Hkv, GROUP, HEAD_DIM // DIM_CHUNK)``: one query head's scanned states over one chunk of its dims,
+    and the monitor's sums over that chunk (module docstring; the switches as ``art_decode_split_kernel``'s), over
+    ``BLOCK_W`` steps at a time where ``STEP_CHUNKS`` (a wave longer than one tile), each after the state the steps
+    before it left."""
+    bh = tl.program_id(0)
+    head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    seqlen = _sequence_length(seqlens_ptr, bh // num_kv_heads, uniform_len, RAGGED)
+    steps = tl.minimum(tl.cdiv(seqlen, BLOCK_N), wave_steps)
+    dims = chunk * DIM_CHUNK + tl.arange(0, DIM_CHUNK)
+    head_row = bh.to(tl.int64) * GROUP + head
+    score_log2 = sm_scale * 1.4426950408889634
+    carry_acc = tl.zeros([DIM_CHUNK], tl.float32)
+    carry_l = tl.sum(carry_acc, 0)
+    carry_m = carry_l - float("inf")
+    if STEP_CHUNKS:
+        for first_step in tl.range(0, steps, BLOCK_W):
+            carry_m, carry_l, carry_acc = _monitor_steps(
+                part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr, head_row,
+                chunk, wave_steps, steps, first_step, dims, score_log2, carry_m, carry_l, carry_acc, BLOCK_W,
+                HEAD_DIM, DIM_CHUNK, PROBE_OUTPUT, PROBE_MMA, USE_DIRECTION, True)
+    else:
+        _monitor_steps(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
+                       head_row, chunk, wave_steps, steps, 0, dims, score_log2, carry_m, carry_l, carry_acc, BLOCK_W,
+                       HEAD_DIM, DIM_CHUNK, PROBE_OUTPUT, PROBE_MMA, USE_DIRECTION, False)
 
 
 @triton.jit
@@ -192,15 +234,16 @@ def _step_sums(squares_ptr, moved_ptr, state_l_ptr, head_rows, t, valid, wave_st
 
 
 @triton.jit
-def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid, steps, tau, phi, patience,
-                      first_counted, wave_steps, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr,
-                      PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
-                      USE_DIRECTION: tl.constexpr):
-    """Each head's first done step ``[BLOCK_G]`` (``BLOCK_W + 1``: none in the wave) of the heads ``head_rows``
-    (``head_valid``): the walk's test (``_stable_step``) of every step at once, the norm before each step being the
-    norm after the step before (0 before the first), then the stable runs as a running maximum of the last unstable
-    step."""
-    t = tl.arange(0, BLOCK_W)
+def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid, steps, first_step, carry_unstable,
+                      tau, phi, patience, first_counted, wave_steps, BLOCK_W: tl.constexpr, NO_STOP: tl.constexpr,
+                      CHUNKS: tl.constexpr, PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr,
+                      USE_SCALE: tl.constexpr, USE_DIRECTION: tl.constexpr, CARRY: tl.constexpr):
+    """Each head's first done step ``[BLOCK_G]`` among the ``BLOCK_W`` steps from ``first_step`` (``NO_STOP``: none)
+    of the heads ``head_rows`` (``head_valid``): the walk's test (``_stable_step``) of every step at once, the norm
+    before each step being the norm after the step before (0 before the first), then the stable runs as a running
+    maximum of the last unstable step; with ``CARRY``, after the steps before them, whose last unstable step per head
+    is ``carry_unstable [BLOCK_G]`` (-1: none).  Also returns that carry after these steps."""
+    t = first_step + tl.arange(0, BLOCK_W)
     in_wave = head_valid[:, None] & (t < steps)[None, :]
     before = in_wave & (t > 0)[None, :]
     steps_2d = tl.broadcast_to(t[None, :], in_wave.shape)
@@ -216,8 +259,10 @@ def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid
     _, stable, _ = _stable_step(squares, moved, inv_l, norm_before, zeros, zeros, steps_2d, first_counted, tau, phi,
                                 patience, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION)
     last_unstable = tl.associative_scan(tl.where(stable > 0, -1, steps_2d), 1, _maximum)
+    if CARRY:
+        last_unstable = tl.maximum(last_unstable, carry_unstable[:, None])
     done = in_wave & (steps_2d - last_unstable >= patience)
-    return tl.min(tl.where(done, steps_2d, BLOCK_W + 1), 1)
+    return tl.min(tl.where(done, steps_2d, NO_STOP), 1), tl.max(tl.where(in_wave, last_unstable, -1), 1)
 
 
 @triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS)
@@ -227,9 +272,10 @@ def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, move
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr,
                        PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
-                       USE_DIRECTION: tl.constexpr):
+                       USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr):
     """Grid ``(B * Hkv,)``: the pair's heads judged, its stop, and its output where the wave finished it (module
-    docstring)."""
+    docstring); ``BLOCK_W`` steps at a time where ``STEP_CHUNKS``, each head's stable run carried from one to the
+    next."""
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
@@ -237,13 +283,25 @@ def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, move
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     steps = tl.minimum(num_blocks, wave_steps).to(tl.int32)
     chunks: tl.constexpr = HEAD_DIM // DIM_CHUNK
+    no_stop: tl.constexpr = (1 << 30) if STEP_CHUNKS else BLOCK_W + 1
     stop = (bh * 0).to(tl.int32)
     for g0 in tl.static_range(0, GROUP, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         valid = g < GROUP
-        first_done = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, bh.to(tl.int64) * GROUP + g, valid, steps,
-                                       tau, phi, patience, first_counted, wave_steps, BLOCK_W, chunks, PROBE_OUTPUT,
-                                       RELATIVE, USE_SCALE, USE_DIRECTION)
+        head_rows = bh.to(tl.int64) * GROUP + g
+        if STEP_CHUNKS:
+            first_done = tl.full([BLOCK_G], no_stop, tl.int32)
+            carry = tl.full([BLOCK_G], -1, tl.int32)
+            for first_step in tl.range(0, steps, BLOCK_W):
+                chunk_done, carry = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, valid, steps,
+                                                      first_step, carry, tau, phi, patience, first_counted,
+                                                      wave_steps, BLOCK_W, no_stop, chunks, PROBE_OUTPUT, RELATIVE,
+                                                      USE_SCALE, USE_DIRECTION, True)
+                first_done = tl.minimum(first_done, chunk_done)
+        else:
+            first_done, _ = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, valid, steps, 0,
+                                              stop, tau, phi, patience, first_counted, wave_steps, BLOCK_W, no_stop,
+                                              chunks, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION, False)
         stop = tl.maximum(stop, tl.max(tl.where(valid, first_done, 0), 0))
     # a walk that lies in the wave without stopping ends at its last block: the dense output
     finished = (stop < steps) | (steps == num_blocks)

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from .art_params import ARTParams
-from .art_wave import MAX_WAVE_STEPS
+from .art_wave import WAVE_STEP_TILE
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
 from .walk_model import shared_bandwidth_steps
@@ -371,24 +371,24 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     ``sorted_walks`` (blocks, ascending, one per pair; walks of at most ``max_steps`` blocks) takes on ``sms``
     multiprocessors, or 0 for none.
 
-    The wave is the longest told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps
-    (at most ``MAX_WAVE_STEPS``; a longer walk takes none).  It is taken where it costs fewer lone monitored steps than
-    the walk could take at best: its reads of ``min(W, max_steps)`` blocks per pair at ``WAVE_BLOCKS_PER_LONE_STEP``
-    per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone pace or the dense walk
-    of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is neither shorter than
-    its longest walk nor faster than the dense pace).  So it pays where few pairs walk long: the wave reads their
-    blocks at once.  H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 / 4 / 8 x 32k
-    told each walk took 19.0 / 23.9 / 32.7 / 53.1 us with the wave against 53.0 / 60.9 / 61.6 / 62.8 without it
-    (the same at 128k), 4 / 8 x 8k 47.8 / 83.5 against 51.4 / 93.4, the 64-dim cache (9 / 3 heads) at B = 1 / 8 /
-    32 x 32k 15.5 / 21.2 / 41.5 against 19.7 / 47.0 / 47.7 and the SmolLM2 layer at 1 x 32k / 128k (walks of up to
-    65 / 63 blocks) 17.4 / 17.2 against 19.7 / 43.4; no wave at B = 16, at 1 / 2 x 8k (the dense walk about as
-    fast), or where the walks outrun ``MAX_WAVE_STEPS`` (the SmolLM2 layer at B >= 8).  The constants put the rule
-    on the faster arm in all 21 shapes of that run, and in the 13 of V84's validation (B = 2-16 at 16k and 64k,
+    The wave is the longest told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps (at
+    most ``WAVE_STEP_TILE``, the longest wave timed on a GPU; a longer walk takes none). It is taken where it costs
+    fewer lone monitored steps than the walk could take at best: its reads of ``min(W, max_steps)`` blocks per pair at
+    ``WAVE_BLOCKS_PER_LONE_STEP`` per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone
+    pace or the dense walk of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is
+    neither shorter than its longest walk nor faster than the dense pace). So it pays where few pairs walk long: the
+    wave reads their blocks at once. H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 /
+    4 / 8 x 32k told each walk took 19.0 / 23.9 / 32.7 / 53.1 us with the wave against 53.0 / 60.9 / 61.6 / 62.8 without
+    it (the same at 128k), 4 / 8 x 8k 47.8 / 83.5 against 51.4 / 93.4, the 64-dim cache (9 / 3 heads) at B = 1 / 8 / 32
+    x 32k 15.5 / 21.2 / 41.5 against 19.7 / 47.0 / 47.7 and the SmolLM2 layer at 1 x 32k / 128k (walks of up to 65 / 63
+    blocks) 17.4 / 17.2 against 19.7 / 43.4; no wave at B = 16, at 1 / 2 x 8k (the dense walk about as fast), or where
+    the walks outrun ``WAVE_STEP_TILE`` (the SmolLM2 layer at B >= 8). The constants put the rule on the faster arm in
+    all 21 shapes of that run, and in the 13 of V84's validation (B = 2-16 at 16k and 64k,
     ``-told-wave-validation-h100.json``, the earlier wave code; it refuses 12 x 16k, where the wave was 54 % slower);
     they are the decision's fit, not the wave's pace (module constants)."""
     longest = int(sorted_walks[-1])
     steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
-    if steps > MAX_WAVE_STEPS:
+    if steps > WAVE_STEP_TILE:
         return 0
     pairs = len(sorted_walks)
     wave_cost = WAVE_EXTRA_LONE_STEPS[head_dim] + pairs * min(steps, max_steps) / (

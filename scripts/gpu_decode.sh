@@ -89,6 +89,10 @@ out, taken = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=loose, num_s
                         wave_steps=5, return_result_steps=True)
 out = art_decode(q, pages[0], pages[1], cache_seqlens=lengths, block_table=table, art=loose, wave_steps=8)
 out = art_decode(q64, kv64[0], kv64[1], art=loose, num_splits=1, wave_steps=13)
+# a wave of more than one step tile (WAVE_STEP_TILE = 128), ragged: the monitor and the finish loop over the tiles
+kv_long = torch.randn(2, 2, 3, 150 * 64 + 17, 64, device="cuda", dtype=torch.bfloat16)
+out = art_decode(q64[:2], kv_long[0], kv_long[1], cache_seqlens=torch.tensor([150 * 64 + 17, 9000], device="cuda",
+                 dtype=torch.int32), art=loose, wave_steps=150)
 # on-demand followers: released from the first chunk (or never), ragged at D = 128 and uniform at D = 64
 for release in (0, 24):
     out = art_decode(q, kv[0], kv[1], cache_seqlens=lengths, art=ARTParams(tau=1e-3, phi=1e-4, patience=2),

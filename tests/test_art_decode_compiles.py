@@ -275,16 +275,18 @@ def _wave_launches(monkeypatch, calls) -> dict[str, list[dict]]:
 def test_the_wave_kernels_compile_for_sm90(monkeypatch):
     """The three kernels of ``kernels.art_wave`` compile for sm_90: contiguous and paged, uniform and ragged, both
     orders, groups of 1, 4 and 20 query heads (a finishing program writes 16 at once), D = 64 and 128, and each
-    monitor build (output or accumulator probe, all or MMA dims, relative or absolute scale, each direction build)."""
+    monitor build (output or accumulator probe, all or MMA dims, relative or absolute scale, each direction build),
+    and a wave longer than one step tile (``WAVE_STEP_TILE``: its monitor and finish loop over the tiles)."""
     configs = [ARTConfig(), ARTConfig(probe_source="accumulator", probe_dims="mma", scale="absolute", phi=0.0),
                ARTConfig(use_direction=False, phi=2.0)]
     layouts = [(1, 1, 64, dict(order="sequential")), (32, 8, 128, {}), (20, 1, 64, dict(ragged=True)),
-               (8, 2, 128, dict(paged=True, ragged=True))]
+               (8, 2, 128, dict(paged=True, ragged=True)), (8, 2, 64, dict(steps=136))]
     calls = []
     for index, (q_heads, kv_heads, head_dim, layout) in enumerate(layouts):
         q = torch.zeros(2, q_heads, head_dim, dtype=torch.bfloat16)
-        k = torch.zeros(2, kv_heads, 1024, head_dim, dtype=torch.bfloat16)
-        keywords = {"order": layout.get("order", "sink_recency"), "wave_steps": 2, "num_splits": 1,
+        steps = layout.get("steps", 2)
+        k = torch.zeros(2, kv_heads, max(1024, steps * 64), head_dim, dtype=torch.bfloat16)
+        keywords = {"order": layout.get("order", "sink_recency"), "wave_steps": steps, "num_splits": 1,
                     "art": configs[index % len(configs)].kernel_params()}
         if layout.get("paged"):
             k = torch.zeros(2 * 1024 // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16)

@@ -51,6 +51,25 @@ def test_a_wave_over_whole_walks_stops_where_the_simulator_does():
     assert_stop_agreement(*compare_stop_steps(cases, ART_CONFIGS, wave_steps=24), "wave of every block")
 
 
+def test_a_wave_longer_than_a_step_tile_carries_each_heads_state_and_stable_run_from_tile_to_tile(monkeypatch):
+    """A wave of 40 steps judged 16 steps at a time (``WAVE_STEP_TILE``; 128 by default): the same outputs, ``lse``,
+    stats and result steps bit for bit as in one tile, and the simulator's stops, including stable runs of 16 steps
+    that span two tiles (``patience=16``: stops at steps 22-39)."""
+    import kernels.art_wave as art_wave_module
+
+    q, k, v = synthetic_inputs(2, 8, 2, 48 * 64, 64, torch.float32, CPU, seed=11)
+    configs = (ARTConfig(tau=1e-2, phi=1e-4, patience=4), ARTConfig(tau=2e-2, phi=1e-4, patience=16), ART_CONFIGS[3])
+    one_tile = [art_decode(q, k, v, art=config.kernel_params(), wave_steps=40, return_lse=True, return_stats=True,
+                           return_result_steps=True) for config in configs]
+    monkeypatch.setattr(art_wave_module, "WAVE_STEP_TILE", 16)
+    for config, expected in zip(configs, one_tile):
+        tiled = art_decode(q, k, v, art=config.kernel_params(), wave_steps=40, return_lse=True, return_stats=True,
+                           return_result_steps=True)
+        assert all(torch.equal(a, b) for a, b in zip(tiled, expected)), config
+    assert 16 < int(one_tile[1][3].min()) and int(one_tile[1][3].max()) <= 40    # stops in later tiles
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, None)], configs, wave_steps=40), "wave of 40 in tiles of 16")
+
+
 def test_stop_steps_match_the_simulator_on_a_captured_layer_in_both_orders():
     q, k, v, seqlens = captured_inputs(CPU, torch.float32)
     for order, configs in (("sink_recency", ART_CONFIGS[:2]), ("sequential", ART_CONFIGS[2:3])):
@@ -193,7 +212,7 @@ def test_bad_wave_steps_are_refused_with_the_reason():
 
 def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_the_walk():
     """The told wave's rule on the H100's 132 multiprocessors (``told_wave_steps``' docstring): few pairs of long
-    walks take it, a short cache (the dense walk is cheaper), many pairs and walks past ``MAX_WAVE_STEPS`` do not."""
+    walks take it, a short cache (the dense walk is cheaper), many pairs and walks past ``WAVE_STEP_TILE`` do not."""
     one_at_32k = [36, 37, 38, 39, 40, 40, 41, 42]
     assert told_wave_steps(one_at_32k, 512, 128, 132) == 48          # 42 + 5 + 1, rounded up to 8
     assert told_wave_steps(one_at_32k * 8, 2048, 128, 132) == 48      # B = 8 x 128k: 28.9 lone steps against 42
@@ -202,7 +221,7 @@ def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_
     assert told_wave_steps(one_at_32k * 16, 512, 128, 132) == 0      # 128 pairs: the wave's reads cost more
     assert told_wave_steps([17] * 24, 512, 64, 132) == 24            # 17 + 2 + 1
     assert told_wave_steps([4] * 24, 512, 64, 132) == 0              # shorter walks than the wave's fixed cost
-    assert told_wave_steps([120] * 8, 4096, 128, 132) == 0           # a wave past MAX_WAVE_STEPS
+    assert told_wave_steps([120] * 8, 4096, 128, 132) == 0           # a wave past WAVE_STEP_TILE
     # the same walks on fewer multiprocessors read longer: the wave stops paying
     assert told_wave_steps(one_at_32k, 512, 128, 8) == 0
 
@@ -301,6 +320,11 @@ def test_gpu_stop_steps_match_the_simulator():
     q, k, v, seqlens = captured_inputs(_cuda(), torch.bfloat16)
     assert_stop_agreement(*compare_stop_steps([(q, k, v, seqlens)], ART_CONFIGS + (ARTConfig(),), wave_steps=48),
                           "GPU bf16 captured layer, wave of 48")
+    # a wave of two step tiles and a part (WAVE_STEP_TILE = 128), over walks that end in each of them
+    q, k, v = synthetic_inputs(4, 32, 8, 300 * 64, 128, torch.bfloat16, _cuda(), seed=9)
+    configs = (ARTConfig(), ARTConfig(tau=1e-3, phi=1e-6, patience=64), ARTConfig(tau=2e-4, phi=1e-7, patience=160))
+    assert_stop_agreement(*compare_stop_steps([(q, k, v, None)], configs, wave_steps=280),
+                          "GPU bf16 synthetic, wave of 280")
 
 
 @pytest.mark.gpu
