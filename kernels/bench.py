@@ -892,6 +892,19 @@ def summarise(rows: list[dict], ceiling: float, lone_walk: dict | None = None,
     }
 
 
+def checked_run_device(suite: str, art: ARTParams, capture: str | os.PathLike | None = None) -> torch.device:
+    """The CUDA device a run of the benchmark ``suite`` times on, once its inputs pass the checks at the boundary: a
+    CUDA device present, ``art`` an :class:`ARTParams`, and ``capture`` (where given) a captured layer
+    (:func:`decode_query_shape`: a damaged or wrong file stops the run before anything is timed)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the {suite} benchmark needs a CUDA device")
+    if not isinstance(art, ARTParams):
+        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
+    if capture is not None:
+        decode_query_shape(capture)
+    return torch.device("cuda")
+
+
 def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: Callable,
         capture: str | os.PathLike | None = None, replay: Callable | None = None, resume: bool = False) -> dict:
     """Run the decode benchmark and write ``<out_dir>/<date>-art-decode.json``; returns the payload.
@@ -910,13 +923,7 @@ def run(out_dir: str | os.PathLike, quick: bool, *, art: ARTParams, make_cache: 
     are kept and only the shapes it lacks are timed (a run cut short, e.g. by a time limit, finishes in a second
     call); a complete run of the same settings is returned as it is.
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("the decode benchmark needs a CUDA device")
-    if not isinstance(art, ARTParams):
-        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
-    if capture is not None:
-        decode_query_shape(capture)   # a damaged or wrong file stops the run before anything is timed
-    device = torch.device("cuda")
+    device = checked_run_device("decode", art, capture)
     rep_ms = 50 if quick else 100
     batches, lengths = (QUICK_BATCHES, QUICK_LENGTHS) if quick else (BATCHES, LENGTHS)
     settings = {

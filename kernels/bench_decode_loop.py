@@ -43,7 +43,8 @@ import triton
 
 from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
-from .bench import ROUNDS, decode_query_shape, loaded_fraction, stopped_share, tiled_capture, time_interleaved
+from .bench import (ROUNDS, checked_run_device, decode_query_shape, loaded_fraction, stopped_share, tiled_capture,
+                    time_interleaved)
 from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
 from .split_plan import hint_plan, on_demand_plan
@@ -130,12 +131,7 @@ def run(out_dir: str | os.PathLike, capture: str | os.PathLike, *, art: ARTParam
     """Run the decode loop on ``capture`` (a captured layer's safetensors ``k, v, decode_q``) at each
     ``(batch, seqlen)`` of ``LOOP_CASES`` (``quick``: the first, one round) and write
     ``<out_dir>/<date>-art-decode-loop.json``; returns the payload (``summary`` keyed ``"<batch>x<seqlen>"``)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("the decode-loop benchmark needs a CUDA device")
-    if not isinstance(art, ARTParams):
-        raise TypeError(f"art must be an ARTParams, got {type(art).__name__}")
-    decode_query_shape(capture)   # a damaged or wrong file stops the run before anything is timed
-    device = torch.device("cuda")
+    device = checked_run_device("decode-loop", art, capture)
     cases, rounds = (LOOP_CASES[:1], 1) if quick else (LOOP_CASES, ROUNDS)
     payload = {
         "suite": "decode-loop",

@@ -387,14 +387,31 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     ``-told-wave-validation-h100.json``, the earlier wave code; it refuses 12 x 16k, where the wave was 54 % slower);
     they are the decision's fit, not the wave's pace (module constants)."""
     longest = int(sorted_walks[-1])
-    steps = -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
+    steps = told_wave_length(longest)
     if steps > WAVE_STEP_TILE:
         return 0
-    pairs = len(sorted_walks)
-    wave_cost = WAVE_EXTRA_LONE_STEPS[head_dim] + pairs * min(steps, max_steps) / (
-        WAVE_BLOCKS_PER_LONE_STEP[head_dim] * sms)
-    walk_cost = min(longest, dense_lone_steps(pairs, max_steps, head_dim, sms))
-    return min(steps, max_steps) if wave_cost < walk_cost else 0
+    pays = wave_pays(len(sorted_walks), min(steps, max_steps), longest, max_steps, head_dim, sms)
+    return min(steps, max_steps) if pays else 0
+
+
+def told_wave_length(longest: int) -> int:
+    """The steps of the wave a call told a longest walk of ``longest`` blocks considers: that walk and
+    ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps."""
+    return -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
+
+
+def wave_pays(pairs: int, wave_steps: int, longest: int, max_steps: int, head_dim: int, sms: int,
+              extra_lone_steps: float | None = None, blocks_per_lone_step: float | None = None) -> bool:
+    """Whether a wave of ``wave_steps`` blocks per pair over ``pairs`` pairs costs fewer lone monitored steps on
+    ``sms`` multiprocessors than a told walk can at best, the longest walk (``longest`` blocks) at the lone pace or the
+    dense walk of ``max_steps`` blocks per pair (:func:`told_wave_steps`).  The wave's cost takes
+    ``extra_lone_steps`` and ``blocks_per_lone_step`` where given (a refit's trial values, e.g.
+    :mod:`kernels.bench_told_wave`), else ``WAVE_EXTRA_LONE_STEPS`` and ``WAVE_BLOCKS_PER_LONE_STEP`` of
+    ``head_dim``."""
+    extra = WAVE_EXTRA_LONE_STEPS[head_dim] if extra_lone_steps is None else extra_lone_steps
+    per_step = WAVE_BLOCKS_PER_LONE_STEP[head_dim] if blocks_per_lone_step is None else blocks_per_lone_step
+    wave_cost = extra + pairs * wave_steps / (per_step * sms)
+    return wave_cost < min(longest, dense_lone_steps(pairs, max_steps, head_dim, sms))
 
 
 def longest_first_three_stages(sorted_walks, head_dim: int, sms: int) -> bool:

@@ -1,5 +1,7 @@
 """`art-analysis bench`: GPU speed benchmarks (decode: the ART kernel vs dense peers; decode-loop: ART over a captured
-layer's decode steps, each told the previous step's walks, and with on-demand followers; FlexPrefill)."""
+layer's decode steps, each told the previous step's walks, and with on-demand followers; told-wave: calls told
+their walks with and without the wave, and the region of the wave rule's constants that picks the faster;
+FlexPrefill)."""
 from __future__ import annotations
 
 import argparse
@@ -12,15 +14,15 @@ from pathlib import Path
 from .art_options import add_art_options, art_config_from_args
 from .output_paths import check_output_file, check_output_folder
 
-SUITES = ("decode", "decode-loop", "flexprefill", "all")
+SUITES = ("decode", "decode-loop", "told-wave", "flexprefill", "all")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="GPU speed benchmarks (decode kernel, FlexPrefill)",
                                    description=__doc__)
     parser.add_argument("--suite", choices=SUITES, default="decode",
-                        help="decode (default), decode-loop (needs --capture), flexprefill, or all (decode-loop "
-                             "only with --capture)")
+                        help="decode (default), decode-loop (needs --capture), told-wave, flexprefill, or all "
+                             "(decode-loop only with --capture)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON results")
     parser.add_argument("--figure", type=Path, default=Path("figures/kernel_speed.png"),
                         help="decode speed figure")
@@ -70,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
         summaries["decode-loop"] = run_decode_loop(args.out, args.capture, art=config.kernel_params(),
                                                    quick=args.quick)["summary"]
+    if args.suite in ("told-wave", "all"):
+        from kernels.bench_told_wave import run as run_told_wave
+
+        from ..synthetic import synthetic_cache
+
+        summaries["told-wave"] = run_told_wave(args.out, art=config.kernel_params(), make_cache=synthetic_cache,
+                                               capture=args.capture, quick=args.quick)["summary"]
     if args.suite in ("flexprefill", "all"):
         if importlib.util.find_spec("kernels.bench_flexprefill") is None:
             raise ImportError("the flexprefill suite needs kernels/bench_flexprefill.py")
@@ -81,12 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summaries(summaries: dict) -> None:
-    """Each suite's summary: the decode loop's as JSON, then the decode and FlexPrefill targets as short tables,
-    last (the JSON results hold every number)."""
+    """Each suite's summary: the decode loop's and the told wave's as JSON, then the decode and FlexPrefill targets
+    as short tables, last (the JSON results hold every number)."""
     from ..table import format_table
 
-    if "decode-loop" in summaries:
-        print(f"decode-loop: {json.dumps(summaries['decode-loop'], indent=1)}")
+    for suite in ("decode-loop", "told-wave"):
+        if suite in summaries:
+            print(f"{suite}: {json.dumps(summaries[suite], indent=1)}")
     for suite, module in (("decode", "kernels.bench"), ("flexprefill", "kernels.bench_flexprefill")):
         if suite in summaries:
             target_rows = importlib.import_module(module).target_rows
