@@ -148,8 +148,9 @@ def told_wave_summary(rows: list[dict], sms: int) -> dict:
                                          for row in timed if row["ms"].get("told")), default=None),
         "waves_past_one_tile": len(long_waves),
         "waves_past_one_tile_faster": sum(_wave_faster(row) for row in long_waves),
-        "committed_constants": {"WAVE_EXTRA_LONE_STEPS": dict(WAVE_EXTRA_LONE_STEPS),
-                                "WAVE_BLOCKS_PER_LONE_STEP": dict(WAVE_BLOCKS_PER_LONE_STEP)},
+        "committed_constants": {name: {str(head_dim): value for head_dim, value in constants.items()}
+                                for name, constants in (("WAVE_EXTRA_LONE_STEPS", WAVE_EXTRA_LONE_STEPS),
+                                                        ("WAVE_BLOCKS_PER_LONE_STEP", WAVE_BLOCKS_PER_LONE_STEP))},
         "decision_region": decision_region(rows, sms),
     }
 

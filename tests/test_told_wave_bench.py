@@ -72,3 +72,27 @@ def test_the_region_holds_the_constants_whose_cost_model_takes_the_faster_arm_in
 def test_the_told_wave_suite_says_it_needs_a_gpu(capsys):
     assert main(["bench", "--suite", "told-wave"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_run_writes_its_rows_and_summary_to_a_dated_file(monkeypatch, tmp_path):
+    import datetime
+    import json
+
+    clock = itertools.count(1)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn, rep_ms: float(next(clock)))
+    monkeypatch.setattr(bench, "median_ms", lambda fn, rep_ms: 0.5)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(told_wave, "checked_run_device", lambda suite, art, capture: torch.device("cpu"))
+    monkeypatch.setattr(told_wave.torch.cuda, "get_device_name", lambda device: "CPU (interpreter)")
+    monkeypatch.setattr(told_wave, "QUICK_CASES", (("synthetic", 4, 2, 64, (24 * 64,), (1, 2)),))
+
+    def fp16_cache(**kwargs):   # the interpreter's bf16 dot is wrong
+        return synthetic_cache(**{**kwargs, "dtype": torch.float16}, seed=1)
+
+    payload = told_wave.run(tmp_path, art=ARTParams(tau=1e-2, phi=1e-3, patience=2), make_cache=fp16_cache,
+                            quick=True)
+    written = json.loads((tmp_path / f"{datetime.date.today().isoformat()}-told-wave.json").read_text())
+    assert written["complete"] and written["suite"] == "told-wave" and written["device"] == "CPU (interpreter)"
+    assert [(row["batch"], row["pairs"]) for row in written["rows"]] == [(1, 2), (2, 4)]
+    assert written["summary"] == payload["summary"]
+    assert written["summary"]["rows_with_both_arms"] == 2
