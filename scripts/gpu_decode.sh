@@ -4,7 +4,9 @@
 # with splits), then the benchmark (JSON + figure).  Output goes to $OUT when set (the device runner), else to
 # benchmarks/results and figures.  QUICK=1 runs the short benchmark; SKIP_TESTS=1 skips the tests
 # and memcheck; SKIP_BENCH=1 stops after them; TESTS_K=<pytest -k expression> runs only the GPU tests it selects
-# (TESTS_K='per_pair or on_the_gpu' SKIP_BENCH=1: those tests and memcheck, a short call).  The captured layer
+# (TESTS_K='per_pair or on_the_gpu' SKIP_BENCH=1: those tests and memcheck, a short call); TOLD_WAVE=1 runs the
+# told-wave suite (kernels/bench_told_wave.py: the told wave's arms and its rule's refit) in place of the decode
+# benchmark.  The captured layer
 # $CAPTURE (default .carry/smollm2_layer15_ctx8192.safetensors: k, v, decode_q) is benchmarked when present (send it
 # with the device runner's carry).  A capture folder stored in float16 holds such files, one per layer; make one on
 # the CPU with
@@ -114,6 +116,11 @@ extra=()
 [ -f "$capture" ] && extra=(--capture "$capture")
 [ "${QUICK:-0}" = 1 ] && extra+=(--quick)
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
+cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
+if [ "${TOLD_WAVE:-0}" = 1 ]; then
+    cli bench --suite told-wave --out "$out_dir" "${extra[@]}" 2>&1 | tee "$out_dir/told_wave.log"
+    exit 0
+fi
 # the committed results, kept aside (a run of the same date without $OUT replaces one): the new run is compared call
 # by call at the end with their newest complete run on the same device (decode_compare.log / .json)
 baseline_dir=$(mktemp -d)
@@ -126,7 +133,6 @@ if [ -n "${RESUME_FROM:-}" ]; then
                "name the earlier call wrote" >&2; exit 2 ;;
     esac
 fi
-cli() { python3 -c 'import sys; from art_analysis.cli import main; sys.exit(main())' "$@"; }
 cli bench --suite decode --out "$out_dir" --figure "$figure" "${extra[@]}" 2>&1 | tee "$out_dir/decode_bench.log"
 new_result=$(ls "$out_dir"/*-art-decode.json 2>/dev/null | sort | tail -n 1)
 if [ -n "$new_result" ]; then
