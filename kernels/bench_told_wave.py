@@ -14,8 +14,9 @@ rounds of CUDA-graph medians after an L2 emptied by a read (:func:`kernels.bench
 Each row records the walks (longest, median), the rule's and the candidate's wave, each call's loaded fraction, and
 whether the told call's result steps equal the single walks.  :func:`decision_region` then gives, per head dim, the
 constants on a grid for which the cost model (:func:`kernels.split_plan.wave_pays`) takes the faster of ``wave`` and
-``told_no_wave`` in every row, and the summary counts the rows where the committed constants do.  NOTES V84 and V92
-refitted the rule this way from one-off scripts.
+``told_no_wave`` in every row of the fit's shapes, and the summary counts the rows where the committed constants do,
+also among the validation's shapes (V84's, outside the fit).  NOTES V84 and V92 refitted the rule this way from
+one-off scripts.
 
 ``run(out_dir, art=..., make_cache=..., capture=None, quick=False)`` writes ``<out_dir>/<date>-told-wave.json``.
 """
@@ -42,11 +43,15 @@ from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
 from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, told_wave_length, wave_pays
 
-# (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits
+# (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits, then of V84's validation
+# (rows marked "fit": false, outside the region's fit)
 SYNTHETIC_CASES = (("synthetic", 32, 8, 128, (8192, 32768, 131072), (1, 2, 4, 8, 16)),
                    ("synthetic_d64", 9, 3, 64, (32768,), (1, 8, 32)))
-CAPTURE_LENGTHS = (8192, 32768, 131072)
-CAPTURE_BATCHES = (1, 2, 8, 32)
+VALIDATION_CASES = (("synthetic", 32, 8, 128, (16384, 65536), (3, 6, 12)),
+                    ("synthetic_d64", 9, 3, 64, (16384, 65536), (2, 4, 16)))
+# (lengths, batches) of the captured layer, fitted and validated
+CAPTURE_CASES = ((8192, 32768, 131072), (1, 2, 8, 32))
+CAPTURE_VALIDATION = ((65536,), (2, 4))
 QUICK_CASES = (("synthetic", 32, 8, 128, (32768,), (1,)),)
 IMPLS = ("dense", "art", "told", "told_no_wave", "wave")
 # the grids decision_region searches: extra lone steps, and blocks per multiprocessor per lone step
@@ -116,13 +121,15 @@ def model_takes_wave(row: dict, sms: int, extra_lone_steps: float | None = None,
 
 
 def decision_region(rows: list[dict], sms: int) -> dict[str, dict[str, list[float] | None]]:
-    """Per head dim (``"64"``, ``"128"``) of the rows with both arms timed, and per extra on ``EXTRA_GRID``, the
+    """Per head dim (``"64"``, ``"128"``) of the fit's rows (``"fit"``, default true) with both arms timed, and per
+    extra on ``EXTRA_GRID``, the
     ``[least, most]`` blocks per lone step on ``BLOCKS_PER_STEP_GRID`` for which the cost model takes the faster arm
     in every one of those rows (None: no such value); a grid point outside the range may still fail, the region
     being an interval only where the rows' constraints make it one."""
     region = {}
-    for head_dim in sorted({row["head_dim"] for row in rows if timed_both_arms(row)}):
-        timed = [row for row in rows if row["head_dim"] == head_dim and timed_both_arms(row)]
+    fitted = [row for row in rows if row.get("fit", True) and timed_both_arms(row)]
+    for head_dim in sorted({row["head_dim"] for row in fitted}):
+        timed = [row for row in fitted if row["head_dim"] == head_dim]
         per_extra = {}
         for extra in EXTRA_GRID:
             right = [per_step for per_step in BLOCKS_PER_STEP_GRID
@@ -134,14 +141,19 @@ def decision_region(rows: list[dict], sms: int) -> dict[str, dict[str, list[floa
 
 def told_wave_summary(rows: list[dict], sms: int) -> dict:
     """``rows_with_both_arms``; ``rule_took_the_faster`` (the told call's own plan: a wave of at most
-    ``WAVE_STEP_TILE`` steps); ``model_took_the_faster`` (the cost model with the committed constants, uncapped);
+    ``WAVE_STEP_TILE`` steps); ``model_took_the_faster`` (the cost model with the committed constants, uncapped),
+    also among the validation rows alone (``validation_rows``, ``model_took_the_faster_in_validation``);
     ``told_over_faster_arm_max`` (the told call against the faster arm); ``waves_past_one_tile`` (rows whose
     candidate wave is longer than ``WAVE_STEP_TILE``) and how many of them the wave won; and the
     :func:`decision_region`."""
     timed = [row for row in rows if timed_both_arms(row)]
     long_waves = [row for row in timed if row["wave_steps"] > WAVE_STEP_TILE]
+    validation = [row for row in timed if not row.get("fit", True)]
     return {
         "rows_with_both_arms": len(timed),
+        "validation_rows": len(validation),
+        "model_took_the_faster_in_validation": sum(model_takes_wave(row, sms) == _wave_faster(row)
+                                                   for row in validation),
         "rule_took_the_faster": sum((row["rule_wave_steps"] > 0) == _wave_faster(row) for row in timed),
         "model_took_the_faster": sum(model_takes_wave(row, sms) == _wave_faster(row) for row in timed),
         "told_over_faster_arm_max": max((row["ms"]["told"] / min(row["ms"]["wave"], row["ms"]["told_no_wave"])
@@ -155,32 +167,39 @@ def told_wave_summary(rows: list[dict], sms: int) -> dict:
     }
 
 
-def _inputs(cases, capture, quick: bool, make_cache: Callable, device: torch.device):
-    """``(data, batch, base)`` in case order: ``base`` the distinct rows a batch tiles (two synthetic sequences of
-    ``make_cache``, or the captured layer's decode queries), made once per length and data."""
-    for data, q_heads, kv_heads, head_dim, lengths, batches in cases:
-        for seqlen in lengths:
-            cache = make_cache(batch=2, num_q_heads=q_heads, num_kv_heads=kv_heads, seqlen=seqlen,
-                               head_dim=head_dim, preset="realistic", dtype=torch.bfloat16)
-            base = tuple(x.to(device) for x in (cache.q, cache.k, cache.v))
-            del cache
-            for batch in batches:
-                yield data, batch, base
-            del base
-            torch.cuda.empty_cache()
-    if capture is not None and not quick:
-        for seqlen in CAPTURE_LENGTHS:
-            base = tiled_capture(capture, capture_queries(capture), seqlen, device)
-            for batch in CAPTURE_BATCHES:
-                yield "smollm2_layer15_tiled", batch, base
-            del base
-            torch.cuda.empty_cache()
+def _inputs(quick: bool, capture, make_cache: Callable, device: torch.device):
+    """``(data, batch, base, fit)`` in case order (the fit's, then the validation's): ``base`` the distinct rows a
+    batch tiles (two synthetic sequences of ``make_cache``, or the captured layer's decode queries), made once per
+    length and data; ``quick``: ``QUICK_CASES`` alone."""
+    groups = [(QUICK_CASES, (), True)] if quick else [
+        (SYNTHETIC_CASES, CAPTURE_CASES if capture else (), True),
+        (VALIDATION_CASES, CAPTURE_VALIDATION if capture else (), False)]
+    for cases, captured, fit in groups:
+        for data, q_heads, kv_heads, head_dim, lengths, batches in cases:
+            for seqlen in lengths:
+                cache = make_cache(batch=2, num_q_heads=q_heads, num_kv_heads=kv_heads, seqlen=seqlen,
+                                   head_dim=head_dim, preset="realistic", dtype=torch.bfloat16)
+                base = tuple(x.to(device) for x in (cache.q, cache.k, cache.v))
+                del cache
+                for batch in batches:
+                    yield data, batch, base, fit
+                del base
+                torch.cuda.empty_cache()
+        if captured:
+            lengths, batches = captured
+            for seqlen in lengths:
+                base = tiled_capture(capture, capture_queries(capture), seqlen, device)
+                for batch in batches:
+                    yield "smollm2_layer15_tiled", batch, base, fit
+                del base
+                torch.cuda.empty_cache()
 
 
 def run(out_dir: str | os.PathLike, *, art: ARTParams, make_cache: Callable,
         capture: str | os.PathLike | None = None, quick: bool = False) -> dict:
-    """Time every shape (``SYNTHETIC_CASES`` with ``make_cache``'s realistic preset, then the captured layer
-    ``capture`` tiled to ``CAPTURE_LENGTHS`` x ``CAPTURE_BATCHES``; ``quick``: ``QUICK_CASES``, one round) and write
+    """Time every shape (``SYNTHETIC_CASES`` with ``make_cache``'s realistic preset and the captured layer
+    ``capture`` tiled as ``CAPTURE_CASES``, then the validation's, ``VALIDATION_CASES`` and ``CAPTURE_VALIDATION``;
+    ``quick``: ``QUICK_CASES``, one round) and write
     ``<out_dir>/<date>-told-wave.json`` (rewritten after each shape, ``"complete": false`` until the end); returns
     the payload, whose ``summary`` is :func:`told_wave_summary`."""
     device = checked_run_device("told-wave", art, capture)
@@ -199,11 +218,10 @@ def run(out_dir: str | os.PathLike, *, art: ARTParams, make_cache: Callable,
     }
     path = Path(out_dir) / f"{datetime.date.today().isoformat()}-told-wave.json"
     rows = []
-    cases = QUICK_CASES if quick else SYNTHETIC_CASES
-    for data, batch, base in _inputs(cases, capture, quick, make_cache, device):
+    for data, batch, base, fit in _inputs(quick, capture, make_cache, device):
         q, k, v = tile_batch(base, batch)
-        rows.append(told_wave_row(q, k, v, data=data, art=art, rep_ms=50 if quick else 100, device=device,
-                                  rounds=1 if quick else ROUNDS))
+        rows.append({**told_wave_row(q, k, v, data=data, art=art, rep_ms=50 if quick else 100, device=device,
+                                     rounds=1 if quick else ROUNDS), "fit": fit})
         del q, k, v
         write_json_atomic(path, {**payload, "rows": rows, "complete": False})
     payload.update(rows=rows, complete=True, summary=told_wave_summary(rows, sms))

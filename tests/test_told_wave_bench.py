@@ -55,15 +55,17 @@ def test_the_region_holds_the_constants_whose_cost_model_takes_the_faster_arm_in
     rows = [_row(128, 8, 48, 42, 512, 0.019, 0.053, rule_wave_steps=48), _row(128, 128, 48, 42, 512, 0.094, 0.068),
             _row(128, 8, 48, 4, 512, 0.010, 0.012), _row(64, 24, 136, 114, 512, 0.034, 0.0745),
             _row(64, 24, 48, 40, 512, None, 0.030)]
+    # a validation row: outside the region's fit (it would leave no region at an extra of 0), counted apart
+    rows.append({**_row(128, 8, 48, 2, 512, 0.010, 0.012), "fit": False})
     region = told_wave.decision_region(rows, 132)
     assert set(region) == {"64", "128"}
     assert region["128"]["0.0"] == [0.73, 1.105]
     assert region["128"]["3.0"] is None and region["128"]["4.0"] is None
     summary = told_wave.told_wave_summary(rows, 132)
-    assert summary["rows_with_both_arms"] == 4
+    assert summary["rows_with_both_arms"] == 5 and summary["validation_rows"] == 1
     assert summary["rule_took_the_faster"] == 2        # the rows' plans: the first takes the wave, the others none
     # the committed constants (3.0 lone steps, 0.9 blocks per step at D = 128): wrong only on the short walks
-    assert summary["model_took_the_faster"] == 3
+    assert summary["model_took_the_faster"] == 3 and summary["model_took_the_faster_in_validation"] == 0
     assert summary["waves_past_one_tile"] == 1 and summary["waves_past_one_tile_faster"] == 1
     assert summary["told_over_faster_arm_max"] == 1.0
 
@@ -93,6 +95,6 @@ def test_a_run_writes_its_rows_and_summary_to_a_dated_file(monkeypatch, tmp_path
                             quick=True)
     written = json.loads((tmp_path / f"{datetime.date.today().isoformat()}-told-wave.json").read_text())
     assert written["complete"] and written["suite"] == "told-wave" and written["device"] == "CPU (interpreter)"
-    assert [(row["batch"], row["pairs"]) for row in written["rows"]] == [(1, 2), (2, 4)]
+    assert [(row["batch"], row["pairs"], row["fit"]) for row in written["rows"]] == [(1, 2, True), (2, 4, True)]
     assert written["summary"] == payload["summary"]
     assert written["summary"]["rows_with_both_arms"] == 2
