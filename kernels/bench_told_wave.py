@@ -15,7 +15,7 @@ Each row records the walks (longest, median), the rule's and the candidate's wav
 whether the told call's result steps equal the single walks.  :func:`decision_region` then gives, per head dim, the
 constants on a grid for which the cost model (:func:`kernels.split_plan.wave_pays`) takes the faster of ``wave`` and
 ``told_no_wave`` in every row of the fit's shapes, and the summary counts the rows where the committed constants do,
-also among the validation's shapes (V84's, outside the fit).  NOTES V84 and V92 refitted the rule this way from
+also among validation shapes that no fit has seen.  NOTES V84 and V92 refitted the rule this way from
 one-off scripts.
 
 ``run(out_dir, art=..., make_cache=..., capture=None, quick=False)`` writes ``<out_dir>/<date>-told-wave.json``.
@@ -43,15 +43,16 @@ from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
 from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, told_wave_length, wave_pays
 
-# (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits, then of V84's validation
-# (rows marked "fit": false, outside the region's fit)
+# (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits, then shapes that no fit
+# has seen (rows marked "fit": false, left out of the region)
 SYNTHETIC_CASES = (("synthetic", 32, 8, 128, (8192, 32768, 131072), (1, 2, 4, 8, 16)),
                    ("synthetic_d64", 9, 3, 64, (32768,), (1, 8, 32)))
-VALIDATION_CASES = (("synthetic", 32, 8, 128, (16384, 65536), (3, 6, 12)),
-                    ("synthetic_d64", 9, 3, 64, (16384, 65536), (2, 4, 16)))
+VALIDATION_CASES = (("synthetic", 32, 8, 128, (24576,), (5, 10)), ("synthetic", 32, 8, 128, (49152,), (6, 12)),
+                    ("synthetic", 32, 8, 128, (98304,), (3, 10)), ("synthetic_d64", 9, 3, 64, (24576,), (3,)),
+                    ("synthetic_d64", 9, 3, 64, (49152,), (12, 24, 48)))
 # (lengths, batches) of the captured layer, fitted and validated
 CAPTURE_CASES = ((8192, 32768, 131072), (1, 2, 8, 32))
-CAPTURE_VALIDATION = ((65536,), (2, 4))
+CAPTURE_VALIDATION = ((49152, 98304), (3,))
 QUICK_CASES = (("synthetic", 32, 8, 128, (32768,), (1,)),)
 IMPLS = ("dense", "art", "told", "told_no_wave", "wave")
 # the grids decision_region searches: extra lone steps, and blocks per multiprocessor per lone step
