@@ -289,9 +289,9 @@ def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, move
         g = g0 + tl.arange(0, BLOCK_G)
         valid = g < GROUP
         head_rows = bh.to(tl.int64) * GROUP + g
+        carry = tl.full([BLOCK_G], -1, tl.int32)     # no unstable step before the first
         if STEP_CHUNKS:
             first_done = tl.full([BLOCK_G], no_stop, tl.int32)
-            carry = tl.full([BLOCK_G], -1, tl.int32)
             for first_step in tl.range(0, steps, BLOCK_W):
                 chunk_done, carry = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, valid, steps,
                                                       first_step, carry, tau, phi, patience, first_counted,
@@ -300,7 +300,7 @@ def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, move
                 first_done = tl.minimum(first_done, chunk_done)
         else:
             first_done, _ = _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, valid, steps, 0,
-                                              stop, tau, phi, patience, first_counted, wave_steps, BLOCK_W, no_stop,
+                                              carry, tau, phi, patience, first_counted, wave_steps, BLOCK_W, no_stop,
                                               chunks, PROBE_OUTPUT, RELATIVE, USE_SCALE, USE_DIRECTION, False)
         stop = tl.maximum(stop, tl.max(tl.where(valid, first_done, 0), 0))
     # a walk that lies in the wave without stopping ends at its last block: the dense output

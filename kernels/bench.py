@@ -198,9 +198,11 @@ def copy_ceiling_tb_per_s(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e9
 
 
-def structured_sequences(make_cache: Callable, seqlen: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Two sequences of ``make_cache`` (realistic preset; ``Hq / Hkv = 32 / 8``, ``D = 128``, bf16) on ``device``."""
-    cache = make_cache(batch=2, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS, seqlen=seqlen, head_dim=HEAD_DIM,
+def structured_sequences(make_cache: Callable, seqlen: int, device: torch.device, q_heads: int = Q_HEADS,
+                         kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, ...]:
+    """Two sequences of ``make_cache`` (realistic preset, bf16; by default ``Hq / Hkv = 32 / 8``, ``D = 128``) on
+    ``device``."""
+    cache = make_cache(batch=2, num_q_heads=q_heads, num_kv_heads=kv_heads, seqlen=seqlen, head_dim=head_dim,
                        preset="realistic", dtype=torch.bfloat16)
     return tuple(x.to(device) for x in (cache.q, cache.k, cache.v))
 

@@ -36,8 +36,8 @@ import triton
 from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
 from .art_wave import MAX_WAVE_STEPS, WAVE_STEP_TILE
-from .bench import (ROUNDS, capture_queries, checked_run_device, loaded_fraction, tile_batch, tiled_capture,
-                    time_interleaved)
+from .bench import (ROUNDS, capture_queries, checked_run_device, loaded_fraction, structured_sequences,
+                    tile_batch, tiled_capture, time_interleaved)
 from .device_info import num_sms
 from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
@@ -178,10 +178,7 @@ def _inputs(quick: bool, capture, make_cache: Callable, device: torch.device):
     for cases, captured, fit in groups:
         for data, q_heads, kv_heads, head_dim, lengths, batches in cases:
             for seqlen in lengths:
-                cache = make_cache(batch=2, num_q_heads=q_heads, num_kv_heads=kv_heads, seqlen=seqlen,
-                                   head_dim=head_dim, preset="realistic", dtype=torch.bfloat16)
-                base = tuple(x.to(device) for x in (cache.q, cache.k, cache.v))
-                del cache
+                base = structured_sequences(make_cache, seqlen, device, q_heads, kv_heads, head_dim)
                 for batch in batches:
                     yield data, batch, base, fit
                 del base
