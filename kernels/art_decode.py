@@ -423,9 +423,10 @@ captured).
 Whether it pays depends on walks that only the data knows, so a call not told its walks never takes it; a call told
 each pair's walk (``pair_walks``, or a ``walk_hint``'s) takes the wave of :func:`kernels.split_plan.told_wave_steps`
 (the longest told walk and an eighth more) where that costs fewer lone steps than the longest walk or the dense walk,
-and then plans the walk after it as a call told only the longest (V92, ``-v92-ab-h100.json``: on an H100,
-synthetic B = 1 / 2 / 4 / 8 x 32k told each walk 53.0 / 60.9 / 61.6 / 62.8 -> 19.0 / 23.9 / 32.7 / 53.1 us, the
-SmolLM2 layer at 1 x 128k 43.4 -> 17.2; no wave at 1 x 8k, where the dense walk ends first, nor at B = 16).
+each pair reading only its own told walk and an eighth of it (V95: the rule's cost counts those blocks), and then
+plans the walk after it as a call told only the longest (V92, before each pair's own wave, ``-v92-ab-h100.json``: on
+an H100, synthetic B = 1 / 2 / 4 / 8 x 32k told each walk 53.0 / 60.9 / 61.6 / 62.8 -> 19.0 / 23.9 / 32.7 / 53.1 us,
+the SmolLM2 layer at 1 x 128k 43.4 -> 17.2; no wave at B = 16).
 ``wave_steps=0`` refuses it.
 
 **CUDA graphs.**  A decode loop can capture ``art_decode`` with ``cache_seqlens`` (and ``block_table``)
@@ -446,7 +447,7 @@ import triton
 
 from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, HORIZON_CAP, art_decode_split_kernel
 from .art_params import INT32_MAX, ARTParams
-from .art_wave import MAX_WAVE_STEPS, run_wave
+from .art_wave import MAX_WAVE_STEPS, run_wave, told_wave_length
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_choice, check_count, check_flags
@@ -504,6 +505,9 @@ class DecodePlan:
         dense_plan: whether a dense walk's block size and split count are the launcher's own.
         wave_steps: the steps of the wave run before the walk (``kernels.art_wave``; at most ``max_steps``), 0 for
             none.
+        wave_walks: where the wave came from told walks, those walks (``[B, Hkv]`` int32 on the call's device):
+            each pair's wave is at most :func:`kernels.art_wave.told_wave_length` of its walk; else ``None`` (every
+            pair's wave is ``wave_steps``).
 
     Two plans compare equal when they walk alike: the lengths and the told walks (tensors) are neither compared
     nor printed.
@@ -530,6 +534,7 @@ class DecodePlan:
     release_step: int | None
     dense_plan: bool
     wave_steps: int = 0
+    wave_walks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def on_demand(self) -> bool:
@@ -561,9 +566,13 @@ class DecodePlan:
 
     @property
     def wave_blocks(self) -> int | torch.Tensor:
-        """Blocks of each sequence's walk that the wave reads, ``min(wave_steps, walk_blocks)`` (0 without a wave):
-        an int, or ``[B, 1]`` int32 on the call's device where the lengths differ."""
+        """Blocks of each walk that the wave reads, ``min(wave_steps, walk_blocks)`` (0 without a wave): an int, or
+        ``[B, 1]`` int32 on the call's device where the lengths differ; with ``wave_walks``, ``[B, Hkv]``: each
+        pair's own wave (its walk's ``told_wave_length``) where that is shorter."""
         blocks = self.walk_blocks
+        if self.wave_walks is not None:
+            own = torch.clamp(told_wave_length(self.wave_walks), max=self.wave_steps)
+            return torch.clamp(own, max=blocks) if isinstance(blocks, int) else torch.minimum(own, blocks)
         if isinstance(blocks, int):
             return min(blocks, self.wave_steps)
         return torch.clamp(blocks, max=self.wave_steps)
@@ -574,7 +583,7 @@ class DecodePlan:
         :func:`kernels.split_plan.planned_result_steps`; where the call runs the dense walk (no monitor, or a leader
         that cannot stop), every pair's whole walk.  Returned on ``walks``' device.
 
-        With a wave, a pair whose single walk ends within it (``walks <= min(wave_steps, blocks)``) is the wave's.
+        With a wave, a pair whose single walk ends within it (``walks <=`` :attr:`wave_blocks`) is the wave's.
 
         Raises ``ValueError`` for per-pair splits and on-demand followers, whose leaders may walk past their range
         (the result then depends on when followers were released, not on the single walks alone)."""
@@ -668,13 +677,14 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         check_count(wave_steps, "wave_steps", 0, MAX_WAVE_STEPS, unit="blocks")
         if wave_steps and art is None:
             raise ValueError("wave_steps evaluates the ART monitor over a wave of steps: it needs art")
-        if wave_steps and (pair_walks is not None or release_walks is not None):
-            raise ValueError("wave_steps runs before the plan of a call told no pair's walk: not with pair_walks or "
-                             "release_walks (a call told its walks takes its own wave, or none, by default)")
+        if wave_steps and release_walks is not None:
+            raise ValueError("wave_steps runs before the plan of a call told its walks or none: not with "
+                             "release_walks")
     if release_step is not None:
         check_count(release_step, "release_step", 0, MAX_ART_STEPS, unit="blocks")
         if release_walks is None:
             raise ValueError("release_step is the on-demand followers' (release_walks)")
+    wave_walks = None
     if walk_hint is not None:
         from .walk_hint import LongestWalkHint
         if not isinstance(walk_hint, LongestWalkHint):
@@ -689,6 +699,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
             planned = hint_plan(hinted, max_steps, head_dim, q.device, art, wave=wave_steps is None)
             pair_walks, release_walks = planned.get("pair_walks"), planned.get("release_walks")
             wave_steps = planned.get("wave_steps", 0)   # hint_plan has decided the told wave
+            if wave_steps:
+                wave_walks = hinted.walks
         if longest_stop_steps is None:
             longest_stop_steps = walk_hint.steps
     if pair_walks is not None:
@@ -697,8 +709,9 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
             longest_stop_steps = pair_walks.sorted_walks[-1]
         if wave_steps is None:   # told each walk: the wave where it pays, then the walk planned for the longest
             wave_steps = told_wave_steps(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(q.device)) or None
-            if wave_steps:
-                pair_walks = None
+        if wave_steps:   # each pair's own wave (the kernels' told_wave_length of its walk), at most wave_steps
+            wave_walks = pair_walks.walks
+            pair_walks = None
     pair_threshold = None
     if num_splits is None and release_walks is not None:
         on_demand_keywords = on_demand_plan(max_steps, q.device, art)
@@ -740,7 +753,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                       monitored=monitored, pair_walks=pair_walks, pair_threshold=pair_threshold,
                       release_walks=release_walks if on_demand else None,
                       release_step=release_step if on_demand else None, dense_plan=dense_plan,
-                      wave_steps=min(wave_steps or 0, max_steps))
+                      wave_steps=min(wave_steps or 0, max_steps), wave_walks=wave_walks if wave_steps else None)
 
 
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -821,11 +834,13 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
             blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's), with scratch of
             ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128; past
-            ``WAVE_STEP_TILE`` steps its monitor runs tile after tile, and such waves are not yet timed).  Not with
-            ``pair_walks`` or ``release_walks``; with ``walk_hint``, the hint's walks plan nothing but the longest.
+            ``WAVE_STEP_TILE`` steps its monitor runs tile after tile).  With ``pair_walks``, each pair's wave is
+            at most its told walk and an eighth (:func:`kernels.art_wave.told_wave_length`), and the rest is walked
+            as told only the longest walk.  Not with ``release_walks``; with ``walk_hint``, the hint's walks plan
+            nothing but the longest.
             0: no wave.  Default: none, except in a call told each pair's walk (``pair_walks``, or a ``walk_hint``'s
             where it plans the call), which takes the wave of :func:`kernels.split_plan.told_wave_steps` where that
-            pays (module docstring, *the wave*) and then walks the other pairs as told only the longest walk.
+            pays (module docstring, *the wave*): each pair's own, as above.
         read_lengths: ``False`` leaves ``cache_seqlens`` and ``block_table`` on the device: no sync (each call
             with lengths otherwise reads their min and max, and on the paged layout checks the pages they use).
             As inside a CUDA-graph capture, their values then go unchecked (keeping them in ``[1, capacity]`` with
@@ -899,7 +914,8 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     if plan.wave_steps:
         wave_done = run_wave(q, k_cache, v_cache, monitor=art_params, wave_steps=plan.wave_steps,
                              block_size=block_size, order=plan.order, sm_scale=plan.sm_scale, kv_heads=kv_heads,
-                             max_len=max_len, seqlens=seqlens, block_table=block_table, strides=(strides_k, strides_v),
+                             max_len=max_len, seqlens=seqlens, block_table=block_table,
+                             pair_walks=plan.wave_walks, strides=(strides_k, strides_v),
                              dot_precision=dot_precision, direction=_direction_build(art_params), block_h=block_h,
                              out=out, lse=lse)
     grid = (batch * kv_heads, num_splits) if deferred or pair_gates or on_demand else (num_splits, batch * kv_heads)
@@ -913,7 +929,7 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         kv_heads, num_splits, max_len, follow_step, GATE_POLLS_PER_STEP * (max_steps if on_demand else follow_step),
         pair_threshold if pair_gates else plan.release_walks if on_demand else 0,
         min(plan.release_step, max_steps) if on_demand and plan.release_step is not None else max_steps,
-        plan.wave_steps, q.stride(0), q.stride(1), *strides_k, *strides_v,
+        q.stride(0), q.stride(1), *strides_k, *strides_v,
         table.stride(0) if paged else 0, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim,
         PAGED=paged, SINK_RECENCY=plan.order == "sink_recency", SINGLE_SPLIT=single,
@@ -929,14 +945,16 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         WAVE=plan.wave_steps > 0, num_warps=num_warps, num_stages=num_stages)
     if walk_hint is not None and plan.monitored:
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand,
-                         wave=(wave_done.view(batch, kv_heads), plan.wave_blocks) if plan.wave_steps else None)
+                         wave=(wave_done[:, 0].view(batch, kv_heads), wave_done[:, 1].view(batch, kv_heads))
+                         if plan.wave_steps else None)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
         # after a wave: the leader's steps without the wave's blocks, and the wave's result where it finished the pair
-        leader_steps = steps[..., 0] - plan.wave_blocks if plan.wave_steps else steps[..., 0]
+        leader_steps = steps[..., 0] - wave_done[:, 1].view(batch, kv_heads) if plan.wave_steps else steps[..., 0]
         walked = torch.where(kept == 1, leader_steps, plan.walk_blocks)
         if plan.wave_steps:
-            walked = torch.where(wave_done.view(batch, kv_heads) > 0, wave_done.view(batch, kv_heads), walked)
+            wave_result = wave_done[:, 0].view(batch, kv_heads)
+            walked = torch.where(wave_result > 0, wave_result, walked)
         results += (walked,)
     return results[0] if len(results) == 1 else results
 

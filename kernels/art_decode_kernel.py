@@ -609,7 +609,7 @@ def _count_finished(counter_ptr, num_pairs):
 # divisible by 16): the monitor's thresholds, so that a sweep of patience or min_steps reuses one build, and the values
 # that change from call to call.
 UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len", "follow_step", "max_gate_polls", "pair_limit",
-                      "release_step", "wave_steps")
+                      "release_step")
 
 
 @triton.jit(do_not_specialize=UNSPECIALISED_INTS)
@@ -617,7 +617,7 @@ def art_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr,
         out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, steps_ptr, kept_ptr, arrivals_ptr, pair_words_ptr, order_ptr,
         wave_ptr, sm_scale, tau, phi, patience, first_counted,
-        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step, wave_steps,
+        num_kv_heads, num_splits, uniform_len, follow_step, max_gate_polls, pair_limit, release_step,
         stride_qb, stride_qh,
         stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
         stride_table_b, stride_ob, stride_oh,
@@ -640,10 +640,10 @@ def art_decode_split_kernel(
     the program's threads (``32 * num_warps``), ``POLL_NS``: an on-demand follower's sleep between polls (0: none, as in
     the CPU interpreter).  ``order_ptr [B * Hkv]`` (int32, ``LONGEST_FIRST``; unused otherwise): the pair each program
     slot serves, the pairs' launch order (``kernels.pair_walks.longest_first``).  ``kept_ptr`` (int32 ``[B * Hkv]``,
-    ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.  ``WAVE`` (``wave_ptr [B * Hkv]``
-    int32, ``wave_steps``; unused otherwise): the call ran the wave of ``wave_steps`` steps first
-    (``kernels.art_wave``): the programs of a pair it finished (``wave_ptr`` > 0) leave at once and write no
-    output, and every leader counts the wave's ``min(num_blocks, wave_steps)`` blocks in its ``steps``.  Not with
+    ``RECORD_KEPT``; unused otherwise): the splits that entered each pair's output.  ``WAVE`` (``wave_ptr [B * Hkv, 2]``
+    int32; unused otherwise): the call ran the wave first (``kernels.art_wave``), which wrote each pair's result
+    steps (0: not finished) and the blocks it read: the programs of a pair it finished leave at once and write no
+    output, and every leader counts the wave's blocks in its ``steps``.  Not with
     ``PAIR_GATES`` or ``ON_DEMAND``.
 
     ``RAGGED``: every sequence's length is read from ``seqlens_ptr [B]``; else all are ``uniform_len``
@@ -682,11 +682,13 @@ def art_decode_split_kernel(
     kv_head = bh % num_kv_heads
     seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
+    wave_blocks = 0
     if WAVE:
         # a pair the wave finished has its output: its programs leave at once, the leader counting the wave's blocks
-        if tl.load(wave_ptr + bh) > 0:
+        wave_blocks = tl.load(wave_ptr + 2 * bh + 1)
+        if tl.load(wave_ptr + 2 * bh) > 0:
             tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split,
-                     tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0).to(tl.int32))
+                     tl.where(split == 0, wave_blocks, 0).to(tl.int32))
             return
     # page descriptors read a page's slots past the length: the step that holds them runs apart (_tail_step)
     PEEL_TAIL: tl.constexpr = LOADS == "page_descriptors" or LOADS == "subpage_descriptors"
@@ -889,7 +891,7 @@ def art_decode_split_kernel(
 
     if WAVE:
         # the leader counts the blocks the wave read for its pair
-        visited += tl.where(split == 0, tl.minimum(num_blocks, wave_steps), 0)
+        visited += tl.where(split == 0, wave_blocks, 0)
     tl.store(steps_ptr + bh.to(tl.int64) * num_splits + split, visited.to(tl.int32))
     _write_result(m, l, acc, sm_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, kept_ptr,
                   b, kv_head, bh, split, heads, dims, row_valid, num_kv_heads, num_splits, stride_ob, stride_oh,

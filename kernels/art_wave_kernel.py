@@ -5,7 +5,9 @@ the ART monitor over them evaluated as scans (``kernels.art_wave`` launches them
 A walk that stops after ``T`` steps takes ``T`` lone steps in ``art_decode_split_kernel`` however few blocks it reads
 (about 1.2 us per 64-token block at ``D = 128``).  The wave reads the first ``W`` blocks of every pair in parallel
 and recovers every step's monitor state from the blocks' partial states, so a pair that stops within them (or whose
-walk is shorter) ends after one parallel read and two short evaluations; it reads the blocks past its stop too.
+walk is shorter) ends after one parallel read and two short evaluations; it reads the blocks past its stop too.  A
+call told each pair's walk gives each pair its own wave, that walk and an eighth (``_pair_wave_steps``): the steps
+past it are read by no kernel, as those past the pair's blocks.
 
 * ``wave_attend_kernel``, grid ``(W, B * Hkv)``: step ``t`` of pair ``bh`` attends its block from an empty state, as
   the walk's first step would (``_attend_block``): the block's score maximum ``m_t [GROUP]`` (unscaled), its
@@ -59,16 +61,31 @@ from .art_decode_kernel import (_attend_block, _inverse_total, _probe_sums, _seq
 WAVE_UNSPECIALISED_INTS = ("patience", "first_counted", "uniform_len")
 
 
+@triton.jit
+def _pair_wave_steps(num_blocks, wave_steps, pair_walks_ptr, bh, PAIR_WALKS: tl.constexpr,
+                     WALK_MARGIN: tl.constexpr, STEP_MULTIPLE: tl.constexpr):
+    """The steps of pair ``bh``'s wave: ``min(num_blocks, wave_steps)``, and with ``PAIR_WALKS`` at most the pair's
+    own wave, ``kernels.art_wave.told_wave_length`` of its told walk ``pair_walks_ptr [B * Hkv]`` (int32; unused
+    otherwise): the walk and ``1 / WALK_MARGIN`` more, rounded up to ``STEP_MULTIPLE``."""
+    steps = tl.minimum(num_blocks, wave_steps)
+    if PAIR_WALKS:
+        walk = tl.load(pair_walks_ptr + bh)
+        steps = tl.minimum(steps, tl.cdiv(walk + walk // WALK_MARGIN + 1, STEP_MULTIPLE) * STEP_MULTIPLE)
+    return steps
+
+
 @triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
-def wave_attend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                       sm_scale, num_kv_heads, uniform_len, wave_steps,
+def wave_attend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr, pair_walks_ptr, part_m_ptr, part_l_ptr,
+                       part_acc_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
                        stride_qb, stride_qh, stride_k0, stride_kh, stride_kt, stride_v0, stride_vh, stride_vt,
                        stride_table_b,
                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SINK_RECENCY: tl.constexpr,
-                       RAGGED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       RAGGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIR_WALKS: tl.constexpr,
+                       WALK_MARGIN: tl.constexpr, STEP_MULTIPLE: tl.constexpr):
     """Grid ``(W, B * Hkv)``: one block's partial state (module docstring).  K and V through pointer loads
-    (``strides`` as ``art_decode_split_kernel``'s; ``table_ptr [B, max_pages]`` on the paged layout)."""
+    (``strides`` as ``art_decode_split_kernel``'s; ``table_ptr [B, max_pages]`` on the paged layout);
+    ``pair_walks_ptr`` as :func:`_pair_wave_steps`'."""
     step = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -81,7 +98,7 @@ def wave_attend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seqlens_ptr, part_m_ptr, 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    if step < num_blocks:
+    if step < _pair_wave_steps(num_blocks, wave_steps, pair_walks_ptr, bh, PAIR_WALKS, WALK_MARGIN, STEP_MULTIPLE):
         heads = kv_head * GROUP + rows
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + dims[None, :],
                     mask=row_valid[:, None], other=0.0)
@@ -182,10 +199,11 @@ def _monitor_steps(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_pt
 
 @triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS[2:])
 def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr,
-                        seqlens_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
+                        seqlens_ptr, pair_walks_ptr, sm_scale, num_kv_heads, uniform_len, wave_steps,
                         GROUP: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_CHUNK: tl.constexpr,
                         BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, PROBE_OUTPUT: tl.constexpr,
-                        PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr):
+                        PROBE_MMA: tl.constexpr, USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr,
+                        PAIR_WALKS: tl.constexpr, WALK_MARGIN: tl.constexpr, STEP_MULTIPLE: tl.constexpr):
     """Grid ``(B * Hkv, GROUP, HEAD_DIM // DIM_CHUNK)``: one query head's scanned states over one chunk of its dims,
     and the monitor's sums over that chunk (module docstring; the switches as ``art_decode_split_kernel``'s), over
     ``BLOCK_W`` steps at a time where ``STEP_CHUNKS`` (a wave longer than one tile), each after the state the steps
@@ -194,7 +212,8 @@ def wave_monitor_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, state_m_ptr, state
     head = tl.program_id(1)
     chunk = tl.program_id(2)
     seqlen = _sequence_length(seqlens_ptr, bh // num_kv_heads, uniform_len, RAGGED)
-    steps = tl.minimum(tl.cdiv(seqlen, BLOCK_N), wave_steps)
+    steps = _pair_wave_steps(tl.cdiv(seqlen, BLOCK_N), wave_steps, pair_walks_ptr, bh, PAIR_WALKS, WALK_MARGIN,
+                             STEP_MULTIPLE)
     dims = chunk * DIM_CHUNK + tl.arange(0, DIM_CHUNK)
     head_row = bh.to(tl.int64) * GROUP + head
     score_log2 = sm_scale * 1.4426950408889634
@@ -266,22 +285,26 @@ def _first_done_steps(squares_ptr, moved_ptr, state_l_ptr, head_rows, head_valid
 
 
 @triton.jit(do_not_specialize=WAVE_UNSPECIALISED_INTS)
-def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr, seqlens_ptr, out_ptr,
-                       lse_ptr, wave_done_ptr, sm_scale, tau, phi, patience, first_counted, num_kv_heads, uniform_len,
+def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, moved_ptr, seqlens_ptr,
+                       pair_walks_ptr, out_ptr, lse_ptr, wave_done_ptr, sm_scale, tau, phi, patience, first_counted,
+                       num_kv_heads, uniform_len,
                        wave_steps, stride_ob, stride_oh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr,
                        PROBE_OUTPUT: tl.constexpr, RELATIVE: tl.constexpr, USE_SCALE: tl.constexpr,
-                       USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr):
+                       USE_DIRECTION: tl.constexpr, STEP_CHUNKS: tl.constexpr, PAIR_WALKS: tl.constexpr,
+                       WALK_MARGIN: tl.constexpr, STEP_MULTIPLE: tl.constexpr):
     """Grid ``(B * Hkv,)``: the pair's heads judged, its stop, and its output where the wave finished it (module
     docstring); ``BLOCK_W`` steps at a time where ``STEP_CHUNKS``, each head's stable run carried from one to the
-    next."""
+    next.  ``wave_done_ptr [B * Hkv, 2]`` (int32): the pair's result steps (0: not finished) and the blocks its wave
+    read."""
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
     seqlen = _sequence_length(seqlens_ptr, b, uniform_len, RAGGED)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
-    steps = tl.minimum(num_blocks, wave_steps).to(tl.int32)
+    steps = _pair_wave_steps(num_blocks, wave_steps, pair_walks_ptr, bh, PAIR_WALKS, WALK_MARGIN,
+                             STEP_MULTIPLE).to(tl.int32)
     chunks: tl.constexpr = HEAD_DIM // DIM_CHUNK
     no_stop: tl.constexpr = (1 << 30) if STEP_CHUNKS else BLOCK_W + 1
     stop = (bh * 0).to(tl.int32)
@@ -306,7 +329,8 @@ def wave_finish_kernel(part_acc_ptr, state_m_ptr, state_l_ptr, squares_ptr, move
     # a walk that lies in the wave without stopping ends at its last block: the dense output
     finished = (stop < steps) | (steps == num_blocks)
     stop = tl.minimum(stop, steps - 1)
-    tl.store(wave_done_ptr + bh, tl.where(finished, stop + 1, 0))
+    tl.store(wave_done_ptr + 2 * bh, tl.where(finished, stop + 1, 0))
+    tl.store(wave_done_ptr + 2 * bh + 1, steps)
     if finished:
         dims = tl.arange(0, HEAD_DIM)
         for g0 in tl.static_range(0, GROUP, BLOCK_G):

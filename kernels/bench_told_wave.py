@@ -8,11 +8,13 @@ rounds of CUDA-graph medians after an L2 emptied by a read (:func:`kernels.bench
 * ``dense``: ``art=None``; ``art``: the call told nothing (its default plan);
 * ``told``: told each pair's walk (``pair_walks`` from a single-split call on the same inputs): the rule decides;
 * ``told_no_wave``: the same with ``wave_steps=0``;
-* ``wave``: the rule's candidate wave forced (the longest walk and an eighth more, :func:`told_wave_length`, up to
-  ``MAX_WAVE_STEPS``: longer than the rule's own cap of ``WAVE_STEP_TILE``, so that longer waves are timed too).
+* ``wave``: the told call with the rule's candidate wave forced (``wave_steps``: the longest walk and an eighth more,
+  :func:`kernels.art_wave.told_wave_length`, up to ``MAX_WAVE_STEPS``: longer than the rule's own cap of
+  ``WAVE_STEP_TILE``, so that longer waves are timed too), each pair waving over its own walk and an eighth.
 
-Each row records the walks (longest, median), the rule's and the candidate's wave, each call's loaded fraction, and
-whether the told call's result steps equal the single walks.  :func:`decision_region` then gives, per head dim, the
+Each row records the walks (longest, median), the rule's and the candidate's wave, the blocks the candidate reads
+(``wave_blocks``, all pairs together), each call's loaded fraction, and whether the told call's result steps equal
+the single walks.  :func:`decision_region` then gives, per head dim, the
 constants on a grid for which the cost model (:func:`kernels.split_plan.wave_pays`) takes the faster of ``wave`` and
 ``told_no_wave`` in every row of the fit's shapes, and the summary counts the rows where the committed constants do,
 also among validation shapes that no fit has seen.  NOTES V84 and V92 refitted the rule this way from
@@ -35,13 +37,13 @@ import triton
 
 from .art_decode import ART_BLOCK_SIZE, art_decode, plan_decode
 from .art_params import ARTParams
-from .art_wave import MAX_WAVE_STEPS, WAVE_STEP_TILE
+from .art_wave import MAX_WAVE_STEPS, WAVE_STEP_TILE, told_wave_length
 from .bench import (ROUNDS, capture_queries, checked_run_device, loaded_fraction, structured_sequences,
                     tile_batch, tiled_capture, time_interleaved)
 from .device_info import num_sms
 from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
-from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, told_wave_length, wave_pays
+from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, wave_pays
 
 # (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits, then shapes that no fit
 # has seen (rows marked "fit": false, left out of the region)
@@ -65,8 +67,8 @@ def told_wave_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, data: st
     """One shape's row: ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]`` (bf16 on ``device``) timed in the calls of the
     module docstring (``ms`` and ``ms_rounds`` per call, ``None`` for a wave past ``MAX_WAVE_STEPS``), with ``pairs``,
     ``max_steps``, ``longest_walk``, ``walk_median``, ``rule_wave_steps`` (the told call's plan), ``wave_steps`` (the
-    forced candidate, or None), the loaded fractions of ``told``, ``told_no_wave`` and ``wave``, and
-    ``told_result_equals_single_walk`` (the share of pairs)."""
+    forced candidate, or None), ``wave_blocks`` (the blocks it reads), the loaded fractions of ``told``,
+    ``told_no_wave`` and ``wave``, and ``told_result_equals_single_walk`` (the share of pairs)."""
     seqlen = k.shape[2]
     max_steps = math.ceil(seqlen / ART_BLOCK_SIZE)
     _, single = art_decode(q, k, v, art=art, num_splits=1, return_stats=True)
@@ -80,19 +82,21 @@ def told_wave_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, data: st
              "told": lambda: art_decode(q, k, v, art=art, pair_walks=told),
              "told_no_wave": lambda: art_decode(q, k, v, art=art, pair_walks=told, wave_steps=0)}
     if wave_steps is not None:
-        calls["wave"] = lambda: art_decode(q, k, v, art=art, longest_stop_steps=longest, wave_steps=wave_steps)
+        calls["wave"] = lambda: art_decode(q, k, v, art=art, pair_walks=told, wave_steps=wave_steps)
     row = {"data": data, "batch": q.shape[0], "seqlen": seqlen, "q_heads": q.shape[1], "kv_heads": k.shape[1],
            "head_dim": q.shape[2], "pairs": walks.numel(), "max_steps": max_steps, "longest_walk": longest,
            "walk_median": int(told.sorted_walks[len(told.sorted_walks) // 2]),
-           "rule_wave_steps": plan_decode(q, k, v, art=art, pair_walks=told).wave_steps, "wave_steps": wave_steps}
+           "rule_wave_steps": plan_decode(q, k, v, art=art, pair_walks=told).wave_steps, "wave_steps": wave_steps,
+           "wave_blocks": None if wave_steps is None else sum(min(told_wave_length(walk), wave_steps)
+                                                              for walk in told.sorted_walks)}
     _, steps, result = art_decode(q, k, v, art=art, pair_walks=told, return_stats=True, return_result_steps=True)
     row["told_result_equals_single_walk"] = float((result == walks).float().mean())
     fractions = {"told": loaded_fraction(steps, seqlen)}
     fractions["told_no_wave"] = loaded_fraction(
         art_decode(q, k, v, art=art, pair_walks=told, wave_steps=0, return_stats=True)[1], seqlen)
     if wave_steps is not None:
-        fractions["wave"] = loaded_fraction(art_decode(q, k, v, art=art, longest_stop_steps=longest,
-                                                       wave_steps=wave_steps, return_stats=True)[1], seqlen)
+        fractions["wave"] = loaded_fraction(art_decode(q, k, v, art=art, pair_walks=told, wave_steps=wave_steps,
+                                                       return_stats=True)[1], seqlen)
     row["loaded_fraction"] = fractions
     timings = time_interleaved(calls, rep_ms, rounds, device)
     row["ms"] = {impl: timings[impl].get("ms") if impl in timings else None for impl in IMPLS}
@@ -117,7 +121,7 @@ def model_takes_wave(row: dict, sms: int, extra_lone_steps: float | None = None,
                      blocks_per_lone_step: float | None = None) -> bool:
     """Whether the rule's cost model (:func:`kernels.split_plan.wave_pays`, with trial constants where given) takes
     the row's candidate wave on ``sms`` multiprocessors, regardless of the rule's cap on the wave's length."""
-    return wave_pays(row["pairs"], row["wave_steps"], row["longest_walk"], row["max_steps"], row["head_dim"], sms,
+    return wave_pays(row["wave_blocks"], row["longest_walk"], row["max_steps"], row["head_dim"], sms, row["pairs"],
                      extra_lone_steps, blocks_per_lone_step)
 
 

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from .art_params import ARTParams
-from .art_wave import WAVE_STEP_TILE
+from .art_wave import WAVE_STEP_TILE, told_wave_length
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
 from .walk_model import shared_bandwidth_steps
@@ -72,8 +72,6 @@ PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a 
 # block per multiprocessor at D = 128 / 64, the told walk about 12-14 us more than its longest or dense walk)
 WAVE_EXTRA_LONE_STEPS = {64: 3.5, 128: 3.0}
 WAVE_BLOCKS_PER_LONE_STEP = {64: 1.2, 128: 0.9}
-WAVE_WALK_MARGIN = 8        # a told wave is the longest told walk and an eighth more (walks vary call to call), ...
-WAVE_STEP_MULTIPLE = 8      # ... rounded up to a multiple of 8 steps
 
 
 def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
@@ -369,15 +367,17 @@ def hint_plan(pair_walks, max_steps: int, head_dim: int, device: torch.device, a
 def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> int:
     """The wave (``art_decode``'s ``wave_steps``, :mod:`kernels.art_wave`) that a call told its pairs' walks
     ``sorted_walks`` (blocks, ascending, one per pair; walks of at most ``max_steps`` blocks) takes on ``sms``
-    multiprocessors, or 0 for none.
+    multiprocessors, or 0 for none: its longest pair's wave.
 
-    The wave is the longest told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps (at
-    most ``WAVE_STEP_TILE``, the longest wave timed on a GPU; a longer walk takes none). It is taken where it costs
-    fewer lone monitored steps than the walk could take at best: its reads of ``min(W, max_steps)`` blocks per pair at
-    ``WAVE_BLOCKS_PER_LONE_STEP`` per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone
+    Each pair's wave is its told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps
+    (:func:`told_wave_length`; the longest at most ``WAVE_STEP_TILE``, the longest wave timed on a GPU; a longer walk
+    takes none). It is taken where it costs fewer lone monitored steps than the walk could take at best
+    (:func:`wave_pays`): the pairs' waves of ``min(w, max_steps)`` blocks at ``WAVE_BLOCKS_PER_LONE_STEP`` per
+    multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone
     pace or the dense walk of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is
     neither shorter than its longest walk nor faster than the dense pace). So it pays where few pairs walk long: the
-    wave reads their blocks at once. H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``): on synthetic caches B = 1 / 2 /
+    wave reads their blocks at once. H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``, every pair then reading the
+    longest pair's wave): on synthetic caches B = 1 / 2 /
     4 / 8 x 32k told each walk took 19.0 / 23.9 / 32.7 / 53.1 us with the wave against 53.0 / 60.9 / 61.6 / 62.8 without
     it (the same at 128k), 4 / 8 x 8k 47.8 / 83.5 against 51.4 / 93.4, the 64-dim cache (9 / 3 heads) at B = 1 / 8 / 32
     x 32k 15.5 / 21.2 / 41.5 against 19.7 / 47.0 / 47.7 and the SmolLM2 layer at 1 x 32k / 128k (walks of up to 65 / 63
@@ -390,27 +390,21 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     steps = told_wave_length(longest)
     if steps > WAVE_STEP_TILE:
         return 0
-    pays = wave_pays(len(sorted_walks), min(steps, max_steps), longest, max_steps, head_dim, sms)
-    return min(steps, max_steps) if pays else 0
+    blocks = sum(min(told_wave_length(int(walk)), max_steps) for walk in sorted_walks)
+    return min(steps, max_steps) if wave_pays(blocks, longest, max_steps, head_dim, sms, len(sorted_walks)) else 0
 
 
-def told_wave_length(longest: int) -> int:
-    """The steps of the wave a call told a longest walk of ``longest`` blocks considers: that walk and
-    ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps."""
-    return -(-(longest + longest // WAVE_WALK_MARGIN + 1) // WAVE_STEP_MULTIPLE) * WAVE_STEP_MULTIPLE
-
-
-def wave_pays(pairs: int, wave_steps: int, longest: int, max_steps: int, head_dim: int, sms: int,
+def wave_pays(wave_blocks: int, longest: int, max_steps: int, head_dim: int, sms: int, pairs: int,
               extra_lone_steps: float | None = None, blocks_per_lone_step: float | None = None) -> bool:
-    """Whether a wave of ``wave_steps`` blocks per pair over ``pairs`` pairs costs fewer lone monitored steps on
-    ``sms`` multiprocessors than a told walk can at best, the longest walk (``longest`` blocks) at the lone pace or the
-    dense walk of ``max_steps`` blocks per pair (:func:`told_wave_steps`).  The wave's cost takes
-    ``extra_lone_steps`` and ``blocks_per_lone_step`` where given (a refit's trial values, e.g.
+    """Whether a wave that reads ``wave_blocks`` blocks in all (its pairs' waves together) costs fewer lone monitored
+    steps on ``sms`` multiprocessors than a told walk of ``pairs`` pairs can at best, the longest walk (``longest``
+    blocks) at the lone pace or the dense walk of ``max_steps`` blocks per pair (:func:`told_wave_steps`).  The
+    wave's cost takes ``extra_lone_steps`` and ``blocks_per_lone_step`` where given (a refit's trial values, e.g.
     :mod:`kernels.bench_told_wave`), else ``WAVE_EXTRA_LONE_STEPS`` and ``WAVE_BLOCKS_PER_LONE_STEP`` of
     ``head_dim``."""
     extra = WAVE_EXTRA_LONE_STEPS[head_dim] if extra_lone_steps is None else extra_lone_steps
     per_step = WAVE_BLOCKS_PER_LONE_STEP[head_dim] if blocks_per_lone_step is None else blocks_per_lone_step
-    wave_cost = extra + pairs * wave_steps / (per_step * sms)
+    wave_cost = extra + wave_blocks / (per_step * sms)
     return wave_cost < min(longest, dense_lone_steps(pairs, max_steps, head_dim, sms))
 
 

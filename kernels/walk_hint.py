@@ -131,13 +131,13 @@ def pair_walk_lengths(steps: torch.Tensor, follow_step: int = 0, on_demand: bool
     share) is at least its walk from the release on, whose length its steps do not tell.
 
     After a wave (``art_decode``'s ``wave_steps``), ``wave`` is ``(wave_result [B, Hkv], wave_blocks)``: each pair's
-    result steps where the wave finished it (its walk), else 0, and the blocks of each walk
-    the wave read (an int, or ``[B, 1]``), which every leader's ``steps`` count before its own walk; the other pairs
-    count as above.  ``wave_result`` may also be the call's ``return_result_steps``: every pair then counts by those."""
+    result steps where the wave finished it (its walk), else 0, and the blocks of each walk the wave read (an int,
+    ``[B, 1]`` or ``[B, Hkv]``), which every leader's ``steps`` count before its own walk; the other pairs count as
+    above.  ``wave_result`` may also be the call's ``return_result_steps``: every pair then counts by those."""
     if wave is not None:
         wave_result, wave_blocks = wave
-        steps = torch.cat([steps[..., :1] - torch.as_tensor(wave_blocks, dtype=steps.dtype, device=steps.device)
-                           .reshape(-1, 1, 1), steps[..., 1:]], dim=-1)
+        wave_blocks = torch.as_tensor(wave_blocks, dtype=steps.dtype, device=steps.device).expand(steps.shape[:-1])
+        steps = torch.cat([steps[..., :1] - wave_blocks[..., None], steps[..., 1:]], dim=-1)
     total = steps.sum(-1, dtype=torch.int32)
     if on_demand:
         walks = total

@@ -14,7 +14,7 @@ import kernels.art_decode as art_decode_module
 import kernels.split_plan as split_plan_module
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode, plan_decode
-from kernels.art_wave import MAX_WAVE_STEPS
+from kernels.art_wave import MAX_WAVE_STEPS, told_wave_length
 from kernels.pair_walks import PairWalks
 from kernels.paged_cache import to_paged
 from kernels.split_plan import hint_plan, told_wave_steps
@@ -200,10 +200,9 @@ def test_bad_wave_steps_are_refused_with_the_reason():
             art_decode(q, k, v, art=params, wave_steps=value)
     with pytest.raises(ValueError, match="needs art"):
         art_decode(q, k, v, wave_steps=4)
-    told = PairWalks.from_walks(torch.full((1, 2), 3))
-    for keywords in (dict(pair_walks=told), dict(release_walks=4)):
-        with pytest.raises(ValueError, match="not with pair_walks or release_walks"):
-            art_decode(q, k, v, art=params, wave_steps=4, **keywords)
+    told = PairWalks.from_walks(torch.full((1, 2), 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not with release_walks"):
+        art_decode(q, k, v, art=params, wave_steps=4, release_walks=4)
     # a wave past the walk's blocks is the whole walk; 0 is none, also for a call told its walks
     assert plan_decode(q, k, v, art=params, wave_steps=MAX_WAVE_STEPS).wave_steps == 4
     assert plan_decode(q, k, v, wave_steps=0).wave_steps == 0
@@ -216,8 +215,11 @@ def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_
     one_at_32k = [36, 37, 38, 39, 40, 40, 41, 42]
     assert told_wave_steps(one_at_32k, 512, 128, 132) == 48          # 42 + 5 + 1, rounded up to 8
     assert told_wave_steps(one_at_32k * 8, 2048, 128, 132) == 48      # B = 8 x 128k: 28.9 lone steps against 42
-    assert told_wave_steps(one_at_32k[:-1] + [52], 128, 128, 132) == 0   # 1 x 8k: a wave of 64 (7.3) against the
-    assert told_wave_steps(one_at_32k * 4, 128, 128, 132) == 48       # dense walk (6.5); at 4 x 8k 15.9 against 25.9
+    # 1 x 8k: each pair's own wave, 7 x 48 + 64 blocks (6.4 lone steps) against the dense walk (6.5); every walk of
+    # 52, waves of 64 (7.3); at 4 x 8k 15.9 against 25.9
+    assert told_wave_steps(one_at_32k[:-1] + [52], 128, 128, 132) == 64
+    assert told_wave_steps([52] * 8, 128, 128, 132) == 0
+    assert told_wave_steps(one_at_32k * 4, 128, 128, 132) == 48
     assert told_wave_steps(one_at_32k * 16, 512, 128, 132) == 0      # 128 pairs: the wave's reads cost more
     assert told_wave_steps([17] * 24, 512, 64, 132) == 24            # 17 + 2 + 1
     assert told_wave_steps([4] * 24, 512, 64, 132) == 0              # shorter walks than the wave's fixed cost
@@ -256,6 +258,45 @@ def test_a_call_told_its_walks_runs_the_wave_its_rule_takes_then_the_walk_planne
     # wave_steps=0 keeps the told plan without a wave
     unwaved = plan_decode(q, k, v, art=params, pair_walks=told, wave_steps=0)
     assert unwaved.wave_steps == 0 and unwaved.pair_walks is told
+
+
+def test_each_told_pair_waves_over_its_own_walk_and_an_eighth(monkeypatch):
+    """A told call's wave reads each pair's told walk and an eighth (``told_wave_length``), at most the longest
+    pair's: the same outputs, ``lse`` and result steps as every pair reading the whole wave, fewer blocks in its
+    stats; and where the walks outrun what the pairs were told, those pairs are walked after their short waves."""
+    q, k, v = synthetic_inputs(3, 8, 2, 3000, 64, torch.float32, CPU, seed=3, preset="diffuse")   # walks of 10-22
+    params = LOOSE.kernel_params()
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1][..., 0]
+    told = PairWalks.from_walks(walks)
+    wave_steps = told_wave_length(told.sorted_walks[-1])
+    _told_wave(monkeypatch, wave_steps)
+    plan = plan_decode(q, k, v, art=params, pair_walks=told)
+    assert torch.equal(plan.wave_walks, walks) and plan.wave_steps == wave_steps
+    own = torch.clamp(told_wave_length(walks), max=wave_steps)
+    assert torch.equal(plan.wave_blocks, own) and (own < wave_steps).any()
+    waved = art_decode(q, k, v, art=params, pair_walks=told, return_lse=True, return_stats=True,
+                       return_result_steps=True)
+    uniform = art_decode(q, k, v, art=params, longest_stop_steps=told.sorted_walks[-1], wave_steps=wave_steps,
+                         return_lse=True, return_stats=True, return_result_steps=True)
+    for index in (0, 1, 3):    # out, lse, result steps
+        assert torch.equal(waved[index], uniform[index])
+    assert torch.equal(waved[3], walks)                # every pair stops within its own wave
+    assert torch.equal(waved[2][..., 0], own) and torch.equal(uniform[2][..., 0], torch.full_like(own, wave_steps))
+    # the same wave forced on the told call (wave_steps with pair_walks): each pair's own, at most the forced length
+    forced = plan_decode(q, k, v, art=params, pair_walks=told, wave_steps=wave_steps - 8)
+    assert torch.equal(forced.wave_blocks, torch.clamp(own, max=wave_steps - 8))
+    # told walks of half their length: the pairs that outrun their waves are walked, with the single walks' results
+    halved = PairWalks.from_walks((walks // 2).clamp(min=1).to(torch.int32))
+    out, steps, result = art_decode(q, k, v, art=params, pair_walks=halved, wave_steps=wave_steps,
+                                    return_stats=True, return_result_steps=True)
+    half_waves = torch.clamp(told_wave_length(halved.walks), max=wave_steps)
+    outran = walks > half_waves
+    assert outran.any() and not outran.all()
+    assert torch.equal(result, walks)
+    assert (steps[..., 0][outran] > half_waves[outran]).all()           # the wave's blocks, then the walk's
+    assert torch.equal(steps[..., 0][~outran], half_waves[~outran])
+    _, simulated = simulator_stop(q, k, v, None, LOOSE, "sink_recency")
+    torch.testing.assert_close(out.double(), simulated.output.double(), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -10,7 +10,7 @@ import kernels.bench_told_wave as told_wave
 from art_analysis.cli import main
 from art_analysis.synthetic import synthetic_cache
 from kernels.art_params import ARTParams
-from kernels.split_plan import told_wave_length
+from kernels.art_wave import told_wave_length
 
 
 def test_a_row_times_the_told_call_with_and_without_the_wave_and_the_forced_candidate(monkeypatch):
@@ -27,22 +27,25 @@ def test_a_row_times_the_told_call_with_and_without_the_wave_and_the_forced_cand
     walks = single[..., 0]
     assert row["pairs"] == 4 and row["max_steps"] == 40 and row["longest_walk"] == int(walks.max()) < 40
     assert row["wave_steps"] == min(told_wave_length(row["longest_walk"]), 40)
+    # each pair waves over its own walk and an eighth
+    assert row["wave_blocks"] == sum(min(told_wave_length(int(walk)), row["wave_steps"]) for walk in walks.flatten())
     assert row["told_result_equals_single_walk"] == 1.0
     # the five calls in two interleaved rounds of the fake clock: 1-5, then 6-10
     assert {impl: row["ms_rounds"][impl] for impl in told_wave.IMPLS} == {
         impl: [1.0 + i, 6.0 + i] for i, impl in enumerate(told_wave.IMPLS)}
     assert row["ms"]["wave"] == 3.5 + told_wave.IMPLS.index("wave")
-    _, wave_steps = bench.art_decode(q, k, v, art=art, longest_stop_steps=row["longest_walk"],
-                                     wave_steps=row["wave_steps"], return_stats=True)
+    told = told_wave.PairWalks.from_walks(walks)
+    _, wave_steps = bench.art_decode(q, k, v, art=art, pair_walks=told, wave_steps=row["wave_steps"],
+                                     return_stats=True)
     assert row["loaded_fraction"]["wave"] == bench.loaded_fraction(wave_steps, 40 * 64)
-    _, walked = bench.art_decode(q, k, v, art=art, pair_walks=told_wave.PairWalks.from_walks(walks), wave_steps=0,
-                                 return_stats=True)
+    _, walked = bench.art_decode(q, k, v, art=art, pair_walks=told, wave_steps=0, return_stats=True)
     assert row["loaded_fraction"]["told_no_wave"] == bench.loaded_fraction(walked, 40 * 64)
     assert set(row["loaded_fraction"]) == {"told", "told_no_wave", "wave"}
 
 
 def _row(head_dim, pairs, wave_steps, longest, max_steps, wave_ms, walk_ms, rule_wave_steps=0):
-    return {"head_dim": head_dim, "pairs": pairs, "wave_steps": wave_steps, "longest_walk": longest,
+    return {"head_dim": head_dim, "pairs": pairs, "wave_steps": wave_steps, "wave_blocks": pairs * wave_steps,
+            "longest_walk": longest,
             "max_steps": max_steps, "rule_wave_steps": rule_wave_steps,
             "ms": {"wave": wave_ms, "told_no_wave": walk_ms, "told": min(wave_ms or walk_ms, walk_ms)}}
 
