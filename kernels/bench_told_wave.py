@@ -43,7 +43,7 @@ from .bench import (ROUNDS, capture_queries, checked_run_device, loaded_fraction
 from .device_info import num_sms
 from .pair_walks import PairWalks
 from .results_io import input_file_record, source_revision, write_json_atomic
-from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, wave_pays
+from .split_plan import WAVE_BLOCKS_PER_LONE_STEP, WAVE_EXTRA_LONE_STEPS, told_wave_blocks, wave_pays
 
 # (data, q_heads, kv_heads, head_dim, lengths, batches): the shapes of V84's and V92's fits, then shapes that no fit
 # has seen (rows marked "fit": false, left out of the region)
@@ -87,8 +87,7 @@ def told_wave_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, data: st
            "head_dim": q.shape[2], "pairs": walks.numel(), "max_steps": max_steps, "longest_walk": longest,
            "walk_median": int(told.sorted_walks[len(told.sorted_walks) // 2]),
            "rule_wave_steps": plan_decode(q, k, v, art=art, pair_walks=told).wave_steps, "wave_steps": wave_steps,
-           "wave_blocks": None if wave_steps is None else sum(min(told_wave_length(walk), wave_steps)
-                                                              for walk in told.sorted_walks)}
+           "wave_blocks": None if wave_steps is None else told_wave_blocks(told.sorted_walks, max_steps)}
     _, steps, result = art_decode(q, k, v, art=art, pair_walks=told, return_stats=True, return_result_steps=True)
     row["told_result_equals_single_walk"] = float((result == walks).float().mean())
     fractions = {"told": loaded_fraction(steps, seqlen)}

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from .art_params import ARTParams
-from .art_wave import WAVE_STEP_TILE, told_wave_length
+from .art_wave import WAVE_STEP_TILE, WAVE_WALK_MARGIN, told_wave_length
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
 from .walk_model import shared_bandwidth_steps
@@ -390,8 +390,25 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     steps = told_wave_length(longest)
     if steps > WAVE_STEP_TILE:
         return 0
-    blocks = sum(min(told_wave_length(int(walk)), max_steps) for walk in sorted_walks)
+    blocks = told_wave_blocks(sorted_walks, max_steps)
     return min(steps, max_steps) if wave_pays(blocks, longest, max_steps, head_dim, sms, len(sorted_walks)) else 0
+
+
+def told_wave_blocks(sorted_walks, max_steps: int) -> int:
+    """The blocks that the pairs told the walks ``sorted_walks`` (ascending) read in their own waves,
+    ``sum(min(told_wave_length(w), max_steps))``: counted per wave length (multiples of ``WAVE_STEP_MULTIPLE``) by
+    bisection, so that a call of many pairs plans its wave in a few steps."""
+    blocks = counted = 0
+    while counted < len(sorted_walks):
+        length = told_wave_length(int(sorted_walks[counted]))
+        # the longest walk whose wave is this long: walk + walk // margin + 1 <= length
+        within = (WAVE_WALK_MARGIN * (length - 1)) // (WAVE_WALK_MARGIN + 1) + 1
+        while told_wave_length(within) > length:
+            within -= 1
+        reach = bisect.bisect_right(sorted_walks, within, lo=counted)
+        blocks += (reach - counted) * min(length, max_steps)
+        counted = reach
+    return blocks
 
 
 def wave_pays(wave_blocks: int, longest: int, max_steps: int, head_dim: int, sms: int, pairs: int,

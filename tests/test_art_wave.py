@@ -17,7 +17,7 @@ from kernels.art_decode import art_decode, plan_decode
 from kernels.art_wave import MAX_WAVE_STEPS, told_wave_length
 from kernels.pair_walks import PairWalks
 from kernels.paged_cache import to_paged
-from kernels.split_plan import hint_plan, told_wave_steps
+from kernels.split_plan import hint_plan, told_wave_blocks, told_wave_steps
 from kernels.walk_hint import LongestWalkHint
 from test_art_decode import (ART_CONFIGS, CPU, assert_paged_agrees, assert_stop_agreement, assert_within_flash_oracle,
                              captured_inputs, compare_stop_steps, simulator_stop, synthetic_inputs)
@@ -226,6 +226,17 @@ def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_
     assert told_wave_steps([120] * 8, 4096, 128, 132) == 0           # a wave past WAVE_STEP_TILE
     # the same walks on fewer multiprocessors read longer: the wave stops paying
     assert told_wave_steps(one_at_32k, 512, 128, 8) == 0
+
+
+def test_the_told_pairs_own_waves_are_counted_by_wave_length():
+    """``told_wave_blocks`` (bisection over the wave lengths) equals the sum of each pair's own wave, at most the
+    walk's blocks, on walks that share lengths, straddle the multiples of 8 and outrun the cache."""
+    generator = torch.Generator().manual_seed(5)
+    for most in (6, 40, 130, 600):
+        for max_steps in (8, 50, 512):
+            walks = sorted(torch.randint(1, most + 1, (97,), generator=generator).tolist())
+            assert told_wave_blocks(walks, max_steps) == sum(min(told_wave_length(w), max_steps) for w in walks)
+    assert told_wave_blocks([6, 7, 8, 15, 16], 512) == 8 + 8 + 16 + 24 + 24   # 7 + 0 + 1 = 8; 15 + 1 + 1 = 17 -> 24
 
 
 def _told_wave(monkeypatch, steps):
