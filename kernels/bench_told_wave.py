@@ -9,8 +9,8 @@ rounds of CUDA-graph medians after an L2 emptied by a read (:func:`kernels.bench
 * ``told``: told each pair's walk (``pair_walks`` from a single-split call on the same inputs): the rule decides;
 * ``told_no_wave``: the same with ``wave_steps=0``;
 * ``wave``: the told call with the rule's candidate wave forced (``wave_steps``: the longest walk and an eighth more,
-  :func:`kernels.art_wave.told_wave_length`, up to ``MAX_WAVE_STEPS``: longer than the rule's own cap of
-  ``WAVE_STEP_TILE``, so that longer waves are timed too), each pair waving over its own walk and an eighth.
+  :func:`kernels.art_wave.told_wave_length`, up to ``MAX_WAVE_STEPS``, the rule's own cap), each pair waving over
+  its own walk and an eighth.
 
 Each row records the walks (longest, median), the rule's and the candidate's wave, the blocks the candidate reads
 (``wave_blocks``, all pairs together), each call's loaded fraction, and whether the told call's result steps equal
@@ -145,7 +145,7 @@ def decision_region(rows: list[dict], sms: int) -> dict[str, dict[str, list[floa
 
 def told_wave_summary(rows: list[dict], sms: int) -> dict:
     """``rows_with_both_arms``; ``rule_took_the_faster`` (the told call's own plan: a wave of at most
-    ``WAVE_STEP_TILE`` steps); ``model_took_the_faster`` (the cost model with the committed constants, uncapped),
+    ``MAX_WAVE_STEPS`` steps); ``model_took_the_faster`` (the cost model with the committed constants, uncapped),
     also among the validation rows alone (``validation_rows``, ``model_took_the_faster_in_validation``);
     ``told_over_faster_arm_max`` (the told call against the faster arm); ``waves_past_one_tile`` (rows whose
     candidate wave is longer than ``WAVE_STEP_TILE``) and how many of them the wave won; and the

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from .art_params import ARTParams
-from .art_wave import WAVE_STEP_TILE, WAVE_WALK_MARGIN, told_wave_length
+from .art_wave import MAX_WAVE_STEPS, WAVE_WALK_MARGIN, told_wave_length
 from .device_info import num_sms as _num_sms
 from .int_checks import check_count
 from .walk_model import shared_bandwidth_steps
@@ -66,12 +66,12 @@ PAIR_SPLIT_MAX_COST = 0.9   # per-pair splits only where they cost at most this 
 PAIR_SPLIT_RANGE = 16       # blocks in each range of a split pair (V46)
 PAIR_PLANS_KEPT = 64        # the latest pair plans cheapest_pair_plan keeps (a hinted call plans its walks twice)
 # the wave a told call takes (told_wave_steps): its launches and evaluation, in lone steps beyond a told walk's own
-# fixed time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V92,
-# -v92-ab-h100.json: fitted as the rule's decision, within the values where it takes the faster arm in all 21 shapes
-# of that run and the 13 of V84's validation; by least squares the wave took 13.3 / 15.5 us and 1.76 / 0.74 us per
-# block per multiprocessor at D = 128 / 64, the told walk about 12-14 us more than its longest or dense walk)
-WAVE_EXTRA_LONE_STEPS = {64: 3.5, 128: 3.0}
-WAVE_BLOCKS_PER_LONE_STEP = {64: 1.2, 128: 0.9}
+# fixed time, and the blocks a multiprocessor's share of it reads and judges per lone step, by head dim (H100, V96,
+# 2026-12-08-told-wave-h100.json, each pair its own wave, waves up to 400 steps: fitted as the rule's decision, inside
+# the region where it takes the faster arm in all 30 shapes of the fit, [0.67, 0.79] at 2.0 and [1.21, 1.54] at 3.5;
+# of the 12 validation shapes it takes the faster in 11, the other a 2 % loss)
+WAVE_EXTRA_LONE_STEPS = {64: 3.5, 128: 2.0}
+WAVE_BLOCKS_PER_LONE_STEP = {64: 1.35, 128: 0.73}
 
 
 def dense_block_size(page_size: int | None, head_dim: int = 128, pairs: int | None = None,
@@ -370,25 +370,23 @@ def told_wave_steps(sorted_walks, max_steps: int, head_dim: int, sms: int) -> in
     multiprocessors, or 0 for none: its longest pair's wave.
 
     Each pair's wave is its told walk and ``1 / WAVE_WALK_MARGIN`` more, rounded up to ``WAVE_STEP_MULTIPLE`` steps
-    (:func:`told_wave_length`; the longest at most ``WAVE_STEP_TILE``, the longest wave timed on a GPU; a longer walk
-    takes none). It is taken where it costs fewer lone monitored steps than the walk could take at best
-    (:func:`wave_pays`): the pairs' waves of ``min(w, max_steps)`` blocks at ``WAVE_BLOCKS_PER_LONE_STEP`` per
-    multiprocessor and ``WAVE_EXTRA_LONE_STEPS``, against the longest walk at the lone
-    pace or the dense walk of every block at ``DENSE_BLOCKS_PER_LONE_STEP``, whichever ends first (a told walk plan is
-    neither shorter than its longest walk nor faster than the dense pace). So it pays where few pairs walk long: the
-    wave reads their blocks at once. H100 (V92, ``-v92-ab-h100.json``, ``ARTConfig()``, every pair then reading the
-    longest pair's wave): on synthetic caches B = 1 / 2 /
-    4 / 8 x 32k told each walk took 19.0 / 23.9 / 32.7 / 53.1 us with the wave against 53.0 / 60.9 / 61.6 / 62.8 without
-    it (the same at 128k), 4 / 8 x 8k 47.8 / 83.5 against 51.4 / 93.4, the 64-dim cache (9 / 3 heads) at B = 1 / 8 / 32
-    x 32k 15.5 / 21.2 / 41.5 against 19.7 / 47.0 / 47.7 and the SmolLM2 layer at 1 x 32k / 128k (walks of up to 65 / 63
-    blocks) 17.4 / 17.2 against 19.7 / 43.4; no wave at B = 16, at 1 / 2 x 8k (the dense walk about as fast), or where
-    the walks outrun ``WAVE_STEP_TILE`` (the SmolLM2 layer at B >= 8). The constants put the rule on the faster arm in
-    all 21 shapes of that run, and in the 13 of V84's validation (B = 2-16 at 16k and 64k,
-    ``-told-wave-validation-h100.json``, the earlier wave code; it refuses 12 x 16k, where the wave was 54 % slower);
-    they are the decision's fit, not the wave's pace (module constants)."""
+    (:func:`told_wave_length`; the longest at most ``MAX_WAVE_STEPS``, else none). It is taken where it costs fewer
+    lone monitored steps than the walk could take at best (:func:`wave_pays`): the pairs' waves
+    (:func:`told_wave_blocks`) at ``WAVE_BLOCKS_PER_LONE_STEP`` per multiprocessor and ``WAVE_EXTRA_LONE_STEPS``,
+    against the longest walk at the lone pace or the dense walk of every block at ``DENSE_BLOCKS_PER_LONE_STEP``,
+    whichever ends first (a told walk plan is neither shorter than its longest walk nor faster than the dense pace).
+    So it pays where few pairs walk long: the wave reads their blocks at once. H100 (V96,
+    ``2026-12-08-told-wave-h100.json``, ``ARTConfig()``), told each walk, with the wave against without it: synthetic
+    B = 1 / 4 / 8 x 32k 19.4 / 32.2 / 50.9 us against 53.0 / 61.9 / 62.6, 8 x 8k 64.4 against 93.3; the 64-dim cache
+    (9 / 3 heads) at 8 x 32k 21.3 against 47.1; the SmolLM2 layer (walks of up to 114-349 blocks, waves past one
+    ``WAVE_STEP_TILE``) at 8 / 32 x 32k 33.2 / 92.9 against 74.6 / 168.2 and at 8 / 32 x 128k 33.1 / 101.1 against
+    176.8 / 332.9. It refuses B = 16 (the wave 15-34 % slower) and the SmolLM2 layer at 8k up to B = 8 (the dense
+    walk is short). The constants put the rule on the faster arm in all 30 shapes of that run's fit and in 11 of its
+    12 validation shapes (the 64-dim cache at 48 x 48k takes the wave, 2 % slower); they are the decision's fit, not
+    the wave's pace (module constants)."""
     longest = int(sorted_walks[-1])
     steps = told_wave_length(longest)
-    if steps > WAVE_STEP_TILE:
+    if steps > MAX_WAVE_STEPS:
         return 0
     blocks = told_wave_blocks(sorted_walks, max_steps)
     return min(steps, max_steps) if wave_pays(blocks, longest, max_steps, head_dim, sms, len(sorted_walks)) else 0

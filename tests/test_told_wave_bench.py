@@ -67,7 +67,7 @@ def test_the_region_holds_the_constants_whose_cost_model_takes_the_faster_arm_in
     summary = told_wave.told_wave_summary(rows, 132)
     assert summary["rows_with_both_arms"] == 5 and summary["validation_rows"] == 1
     assert summary["rule_took_the_faster"] == 2        # the rows' plans: the first takes the wave, the others none
-    # the committed constants (3.0 lone steps, 0.9 blocks per step at D = 128): wrong only on the short walks
+    # the committed constants (2.0 lone steps, 0.73 blocks per step at D = 128): wrong only on the short walks
     assert summary["model_took_the_faster"] == 3 and summary["model_took_the_faster_in_validation"] == 0
     assert summary["waves_past_one_tile"] == 1 and summary["waves_past_one_tile_faster"] == 1
     assert summary["told_over_faster_arm_max"] == 1.0

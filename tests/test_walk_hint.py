@@ -205,9 +205,9 @@ def test_on_demand_calls_record_each_pairs_blocks(record_decode_launches):
 def test_a_hint_of_walks_that_end_together_keeps_them_and_a_few_whole_walks_go_on_demand(fake_sms):
     """On 132 multiprocessors (the H200's), the simulator's walks of the synthetic 32/8 caches at 8k (ARTConfig(),
     30-65 blocks, about together) never take on-demand followers from a hint, at B = 1 to 128 (at B = 1 and 8 the told
-    wave, of 64 and 80 steps, each pair reading its own walk and an eighth: at B = 1 392 blocks, 6.3 lone steps
-    against the dense walk's 6.5; V92, on an H100, every pair reading 64 and 80: 20.6 against 20.3 us and 83.5 against
-    93.4); with a few pairs walking the whole cache at B = 128 they do."""
+    wave, of 64 and 80 steps, each pair reading its own walk and an eighth: at B = 1 392 blocks, 6.1 lone steps
+    against the dense walk's 6.5; V96, on an H100: 20.3 against 20.4 us and 64.4 against 93.3); with a few pairs
+    walking the whole cache at B = 128 they do."""
     from art_analysis.blockwise import blockwise_attention
     from art_analysis.termination import stop
 
