@@ -447,7 +447,7 @@ import triton
 
 from .art_decode_kernel import DIRECTION_GUARDED, DIRECTION_OFF, DIRECTION_ON, HORIZON_CAP, art_decode_split_kernel
 from .art_params import INT32_MAX, ARTParams
-from .art_wave import MAX_WAVE_STEPS, run_wave, told_wave_length
+from .art_wave import MAX_WAVE_STEPS, TOLD_WAVE_MAX_WORKSPACE, run_wave, told_wave_length, wave_workspace_bytes
 from .descriptors import descriptor_ready, host_descriptor, page_descriptor, prepare_descriptors
 from .device_info import num_sms as _num_sms
 from .int_checks import check_choice, check_count, check_flags
@@ -696,7 +696,9 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         if (pair_walks is None and longest_stop_steps is None and art is not None and num_splits is None
                 and follow_step is None and release_walks is None and not wave_steps and hinted is not None
                 and tuple(hinted.walks.shape) == (batch, kv_heads) and hinted.walks.device == q.device):
-            planned = hint_plan(hinted, max_steps, head_dim, q.device, art, wave=wave_steps is None)
+            planned = hint_plan(hinted, max_steps, head_dim, q.device, art,
+                                wave=wave_steps is None and _told_wave_fits(batch * q_heads, hinted, max_steps,
+                                                                            head_dim))
             pair_walks, release_walks = planned.get("pair_walks"), planned.get("release_walks")
             wave_steps = planned.get("wave_steps", 0)   # hint_plan has decided the told wave
             if wave_steps:
@@ -707,7 +709,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
         _check_pair_walks(pair_walks, batch, kv_heads, q.device, art, num_splits, follow_step)
         if longest_stop_steps is None:
             longest_stop_steps = pair_walks.sorted_walks[-1]
-        if wave_steps is None:   # told each walk: the wave where it pays, then the walk planned for the longest
+        if wave_steps is None and _told_wave_fits(batch * q_heads, pair_walks, max_steps, head_dim):
+            # told each walk: the wave where it pays, then the walk planned for the longest
             wave_steps = told_wave_steps(pair_walks.sorted_walks, max_steps, head_dim, _num_sms(q.device)) or None
         if wave_steps:   # each pair's own wave (the kernels' told_wave_length of its walk), at most wave_steps
             wave_walks = pair_walks.walks
@@ -754,6 +757,13 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                       release_walks=release_walks if on_demand else None,
                       release_step=release_step if on_demand else None, dense_plan=dense_plan,
                       wave_steps=min(wave_steps or 0, max_steps), wave_walks=wave_walks if wave_steps else None)
+
+
+def _told_wave_fits(query_heads: int, pair_walks: PairWalks, max_steps: int, head_dim: int) -> bool:
+    """Whether the wave a call of ``query_heads`` query heads in all would take from the told walks ``pair_walks``
+    (its longest's :func:`kernels.art_wave.told_wave_length`) fits ``TOLD_WAVE_MAX_WORKSPACE`` of scratch."""
+    steps = min(told_wave_length(pair_walks.sorted_walks[-1]), max_steps)
+    return wave_workspace_bytes(query_heads, steps, head_dim) <= TOLD_WAVE_MAX_WORKSPACE
 
 
 def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -833,11 +843,12 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             the other arguments plan runs for the other pairs only, from their first step.  A lone walk takes about
             1.2 us per 64-token block at ``D = 128``; the wave reads its blocks in parallel, ``min(wave_steps,
             blocks)`` of them per pair, also past a stop (``steps`` counts them in each leader's), with scratch of
-            ``B * Hq * wave_steps * D`` floats (268 MB at B = 128, Hq = 32, 128 steps, D = 128; past
-            ``WAVE_STEP_TILE`` steps its monitor runs tile after tile).  With ``pair_walks``, each pair's wave is
-            at most its told walk and an eighth (:func:`kernels.art_wave.told_wave_length`), and the rest is walked
-            as told only the longest walk.  Not with ``release_walks``; with ``walk_hint``, the hint's walks plan
-            nothing but the longest.
+            ``B * Hq * wave_steps * D`` floats and a little more (``kernels.art_wave.wave_workspace_bytes``: 300 MB
+            at B = 128, Hq = 32, 128 steps, D = 128; past ``WAVE_STEP_TILE`` steps its monitor runs tile after
+            tile); a told call takes no wave whose scratch would pass ``TOLD_WAVE_MAX_WORKSPACE`` (320 MiB).  With
+            ``pair_walks``, each pair's wave is at most its told walk and an eighth
+            (:func:`kernels.art_wave.told_wave_length`), and the rest is walked as told only the longest walk.  Not
+            with ``release_walks``; with ``walk_hint``, the hint's walks plan nothing but the longest.
             0: no wave.  Default: none, except in a call told each pair's walk (``pair_walks``, or a ``walk_hint``'s
             where it plans the call), which takes the wave of :func:`kernels.split_plan.told_wave_steps` where that
             pays (module docstring, *the wave*): each pair's own, as above.

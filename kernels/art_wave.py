@@ -17,7 +17,7 @@ import triton
 from .art_params import ARTParams
 from .art_wave_kernel import wave_attend_kernel, wave_finish_kernel, wave_monitor_kernel
 
-MAX_WAVE_STEPS = 512       # a wave's steps: its workspace holds B * Hq * W * (D + 3 + 3 * D / 32) floats
+MAX_WAVE_STEPS = 512       # a wave's steps (its scratch: wave_workspace_bytes)
 # steps the monitor and the finish take at a time ([W, DIM_CHUNK] fp32 tiles: 91 registers at 128 steps, no spill); a
 # longer wave runs them tile after tile, each after the state the tiles before it left (sm_90, Triton 3.9: monitor
 # 150 registers, finish 80-96, no spill)
@@ -29,6 +29,16 @@ WAVE_WARPS = 4
 WAVE_DIM_CHUNK = 32
 WAVE_WALK_MARGIN = 8        # a pair told its walk waves over that walk and an eighth more (walks vary call to call),
 WAVE_STEP_MULTIPLE = 8      # ... rounded up to a multiple of 8 steps
+# the most scratch a told call's wave may take (wave_workspace_bytes): that of the longest told wave before V96, 128
+# steps at B = 128, Hq = 32, D = 128 (286 MiB)
+TOLD_WAVE_MAX_WORKSPACE = 320 * 2 ** 20
+
+
+def wave_workspace_bytes(query_heads: int, wave_steps: int, head_dim: int) -> int:
+    """Bytes of the scratch :func:`run_wave` takes for ``query_heads`` query heads in all (``B * Hq``) and a wave of
+    ``wave_steps`` steps: each step's partial and scanned state (``D + 3`` floats) and the chunks' sums (3 floats
+    per ``WAVE_DIM_CHUNK`` dims)."""
+    return 4 * query_heads * wave_steps * (head_dim + 3 + 3 * (head_dim // WAVE_DIM_CHUNK))
 
 
 def told_wave_length(walk: int) -> int:

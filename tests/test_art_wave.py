@@ -14,7 +14,7 @@ import kernels.art_decode as art_decode_module
 import kernels.split_plan as split_plan_module
 from art_analysis.termination import ARTConfig
 from kernels.art_decode import art_decode, plan_decode
-from kernels.art_wave import MAX_WAVE_STEPS, told_wave_length
+from kernels.art_wave import MAX_WAVE_STEPS, told_wave_length, wave_workspace_bytes
 from kernels.pair_walks import PairWalks
 from kernels.paged_cache import to_paged
 from kernels.split_plan import hint_plan, told_wave_blocks, told_wave_steps
@@ -228,6 +228,30 @@ def test_a_told_wave_is_the_longest_walk_and_an_eighth_where_it_costs_less_than_
     assert told_wave_steps([460] * 8, 4096, 128, 132) == 0           # 460 + 57 + 1 -> 520, past MAX_WAVE_STEPS
     # the same walks on fewer multiprocessors read longer: the wave stops paying
     assert told_wave_steps(one_at_32k, 512, 128, 8) == 0
+
+
+def test_a_told_call_takes_no_wave_whose_scratch_passes_the_cap(monkeypatch):
+    """The told wave's scratch (``wave_workspace_bytes``: ``B * Hq`` heads of ``W`` steps) is checked before the rule:
+    at the cap the wave is taken, a byte below it the call keeps its told walk, by ``pair_walks`` and by a hint."""
+    q, k, v = synthetic_inputs(3, 8, 2, 3000, 64, torch.float32, CPU, seed=3)
+    params = LOOSE.kernel_params()
+    walks = art_decode(q, k, v, art=params, num_splits=1, return_stats=True)[1]
+    told = PairWalks.from_walks(walks[..., 0])
+    hint = LongestWalkHint()
+    hint.record(walks)
+    wave_steps = told_wave_length(told.sorted_walks[-1])
+    _told_wave(monkeypatch, wave_steps)
+    scratch = wave_workspace_bytes(3 * 8, wave_steps, 64)
+    assert scratch == 4 * 24 * wave_steps * (64 + 3 + 6)
+    monkeypatch.setattr(art_decode_module, "TOLD_WAVE_MAX_WORKSPACE", scratch)
+    assert plan_decode(q, k, v, art=params, pair_walks=told).wave_steps == wave_steps
+    assert plan_decode(q, k, v, art=params, walk_hint=hint).wave_steps == wave_steps
+    monkeypatch.setattr(art_decode_module, "TOLD_WAVE_MAX_WORKSPACE", scratch - 1)
+    kept = plan_decode(q, k, v, art=params, pair_walks=told)
+    assert kept.wave_steps == 0 and kept.pair_walks is told
+    assert plan_decode(q, k, v, art=params, walk_hint=hint).wave_steps == 0
+    # an explicit wave is the caller's: no cap
+    assert plan_decode(q, k, v, art=params, pair_walks=told, wave_steps=wave_steps).wave_steps == wave_steps
 
 
 def test_the_told_pairs_own_waves_are_counted_by_wave_length():
