@@ -375,10 +375,11 @@ def test_the_longest_walk_hint_sets_the_default_split_plan(fake_sms, record_deco
     art_decode(q, k, v, art=config, longest_stop_steps=128)          # 49 <= 128: the guess's rule, at once
     art_decode(q, k, v, art=config, longest_stop_steps=46)           # 49 > 46, told: followers from step 46
     art_decode(q, long_k, long_k, art=config, longest_stop_steps=200)   # 98 <= 200: the guess's rule, step 34
-    # told each walk past the dense walk: the guess where half the walks end in the leader's range (34 + 222 // 5)
+    # told each walk past the dense walk: the guess where half the walks end in the leader's range (34 + 222 // 5);
+    # without the told wave, which these walks would take (one long walk among short ones: 30 lone steps)
     short = torch.full((32, 3), 40)
     short[0, 0] = 200
-    art_decode(q, long_k, long_k, art=config, pair_walks=PairWalks.from_walks(short))             # 95 of 96: 34
+    art_decode(q, long_k, long_k, art=config, pair_walks=PairWalks.from_walks(short), wave_steps=0)  # 95 of 96: 34
     art_decode(q, long_k, long_k, art=config, pair_walks=PairWalks.from_walks(torch.full((32, 3), 256)))  # none: 0
     art_decode(q, k, v, art=config, num_splits=2, longest_stop_steps=128)   # an explicit count: followers at once
     art_decode(q, k, v, art=config, num_splits=2, follow_step=20)
