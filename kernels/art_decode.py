@@ -756,7 +756,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *
                       monitored=monitored, pair_walks=pair_walks, pair_threshold=pair_threshold,
                       release_walks=release_walks if on_demand else None,
                       release_step=release_step if on_demand else None, dense_plan=dense_plan,
-                      wave_steps=min(wave_steps or 0, max_steps), wave_walks=wave_walks if wave_steps else None)
+                      wave_steps=min(wave_steps or 0, max_steps), wave_walks=wave_walks)
 
 
 def _told_wave_fits(query_heads: int, pair_walks: PairWalks, max_steps: int, head_dim: int) -> bool:
@@ -954,17 +954,17 @@ def art_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         LONGEST_FIRST=longest_first, ON_DEMAND=on_demand, PROGRAM_THREADS=32 * num_warps,
         POLL_NS=ON_DEMAND_POLL_NS if q.device.type == "cuda" else 0, RECORD_KEPT=return_result_steps,
         WAVE=plan.wave_steps > 0, num_warps=num_warps, num_stages=num_stages)
+    # each pair's result steps where the wave finished it (else 0) and the blocks its wave read, [B, Hkv] each
+    wave_result, wave_read = wave_done.view(batch, kv_heads, 2).unbind(-1) if plan.wave_steps else (None, None)
     if walk_hint is not None and plan.monitored:
         walk_hint.record(steps, follow_step=follow_step, on_demand=on_demand,
-                         wave=(wave_done[:, 0].view(batch, kv_heads), wave_done[:, 1].view(batch, kv_heads))
-                         if plan.wave_steps else None)
+                         wave=(wave_result, wave_read) if plan.wave_steps else None)
     results = (out,) + ((lse,) if return_lse else ()) + ((steps,) if return_stats else ())
     if return_result_steps:   # the leader's steps where its result alone is the pair's, else the whole walk
         # after a wave: the leader's steps without the wave's blocks, and the wave's result where it finished the pair
-        leader_steps = steps[..., 0] - wave_done[:, 1].view(batch, kv_heads) if plan.wave_steps else steps[..., 0]
+        leader_steps = steps[..., 0] - wave_read if plan.wave_steps else steps[..., 0]
         walked = torch.where(kept == 1, leader_steps, plan.walk_blocks)
         if plan.wave_steps:
-            wave_result = wave_done[:, 0].view(batch, kv_heads)
             walked = torch.where(wave_result > 0, wave_result, walked)
         results += (walked,)
     return results[0] if len(results) == 1 else results

@@ -79,8 +79,8 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
     table = block_table if paged else wave_done
     own_waves = pair_walks is not None
     pair_walks = pair_walks if own_waves else wave_done       # a placeholder pointer where every wave is W
-    own_wave_args = dict(PAIR_WALKS=own_waves, WALK_MARGIN=WAVE_WALK_MARGIN, STEP_MULTIPLE=WAVE_STEP_MULTIPLE,
-                         num_warps=WAVE_WARPS, num_stages=1)
+    build_args = dict(PAIR_WALKS=own_waves, WALK_MARGIN=WAVE_WALK_MARGIN, STEP_MULTIPLE=WAVE_STEP_MULTIPLE,
+                      num_warps=WAVE_WARPS, num_stages=1)
     strides_k, strides_v = strides
     ragged = seqlens is not None
     block_w = triton.next_power_of_2(min(wave_steps, WAVE_STEP_TILE))
@@ -91,13 +91,13 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
         wave_steps, q.stride(0), q.stride(1), *strides_k, *strides_v, table.stride(0) if paged else 0,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_size, HEAD_DIM=head_dim, PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 1, SINK_RECENCY=order == "sink_recency", RAGGED=ragged,
-        DOT_PRECISION=dot_precision, **own_wave_args)
+        DOT_PRECISION=dot_precision, **build_args)
     wave_monitor_kernel[(pairs, group, chunks)](
         part_m, part_l, part_acc, state_m, state_l, squares, moved, lengths, pair_walks, sm_scale, kv_heads, max_len,
         wave_steps,
         GROUP=group, BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, PROBE_MMA=monitor.probe_dims == "mma", USE_DIRECTION=direction,
-        STEP_CHUNKS=step_chunks, **own_wave_args)
+        STEP_CHUNKS=step_chunks, **build_args)
     wave_finish_kernel[(pairs,)](
         part_acc, state_m, state_l, squares, moved, lengths, pair_walks, out, lse, wave_done, sm_scale,
         float(monitor.tau), float(monitor.phi), int(monitor.patience), max(1, int(monitor.min_steps)), kv_heads,
@@ -105,5 +105,5 @@ def run_wave(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, m
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=min(WAVE_HEADS, triton.next_power_of_2(group)),
         BLOCK_W=block_w, HEAD_DIM=head_dim, DIM_CHUNK=WAVE_DIM_CHUNK, BLOCK_N=block_size, RAGGED=ragged,
         PROBE_OUTPUT=probe_output, RELATIVE=monitor.scale == "relative", USE_SCALE=monitor.use_scale,
-        USE_DIRECTION=direction, STEP_CHUNKS=step_chunks, **own_wave_args)
+        USE_DIRECTION=direction, STEP_CHUNKS=step_chunks, **build_args)
     return wave_done
